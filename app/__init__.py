@@ -1,0 +1,37 @@
+"""The Flask application: REST routes, auth, error mapping, OpenAPI.
+
+`create_app(settings)` is the one place the API is wired; tests pass their own collaborators."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+
+from app import commands_api, errors, ops
+from app.health import HealthChecks
+from app.metrics import Metrics
+from app.openapi import build_spec
+from commands.bus import CommandBus
+from stack.settings import Settings
+
+
+def create_app(settings: Settings, **overrides: Any) -> Flask:
+    if not settings.jwt_secret:
+        raise RuntimeError("LOGFOLD_JWT_SECRET is not set; the API cannot verify tokens")
+    app = Flask("logfold")
+    app.config.update(
+        JWT_SECRET=settings.jwt_secret,
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        RETRY_AFTER_S=settings.retry_after_s,
+    )
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions["logfold.settings"] = settings
+    app.extensions["logfold.bus"] = overrides.get("bus") or CommandBus(settings)
+    app.extensions["logfold.health"] = overrides.get("health") or HealthChecks(settings)
+    app.extensions["logfold.metrics"] = Metrics()
+    app.extensions["logfold.openapi"] = build_spec()
+    errors.register(app)
+    app.register_blueprint(ops.bp)
+    app.register_blueprint(commands_api.bp)
+    return app

@@ -1,0 +1,73 @@
+"""Bearer tokens (JWT, HS256) with scopes: `commands:write`, `views:read`, `admin`."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import jwt
+from flask import current_app, g, request
+
+from app.errors import ApiError
+
+SCOPES = ("commands:write", "views:read", "admin")
+ISSUER = "logfold"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def issue_token(
+    secret: str, subject: str = "developer", scopes: tuple[str, ...] = SCOPES, ttl_s: int = 86400
+) -> str:
+    now = int(time.time())
+    claims = {"sub": subject, "scope": " ".join(scopes), "iss": ISSUER, "iat": now,
+              "exp": now + ttl_s}  # fmt: skip
+    return jwt.encode(claims, secret, algorithm="HS256")
+
+
+def verify(token: str, secret: str) -> dict[str, Any]:
+    """The token's claims; raises ApiError(401) on anything not signed by us or expired."""
+    try:
+        return cast(
+            dict[str, Any],
+            jwt.decode(token, secret, algorithms=["HS256"], issuer=ISSUER,
+                       options={"require": ["sub", "exp", "scope"]}),
+        )  # fmt: skip
+    except jwt.ExpiredSignatureError as e:
+        raise ApiError(401, "unauthorized", "the token has expired; get a new one") from e
+    except jwt.InvalidTokenError as e:
+        raise ApiError(401, "unauthorized", f"invalid token: {e}") from e
+
+
+def bearer_token() -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def require(scope: str) -> Callable[[F], F]:
+    """Route decorator: 401 without a valid token, 403 when it lacks `scope`."""
+
+    def decorate(view: F) -> F:
+        @functools.wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            token = bearer_token()
+            if token is None:
+                raise ApiError(
+                    401, "unauthorized", "send `Authorization: Bearer <token>`",
+                    headers={"WWW-Authenticate": 'Bearer realm="logfold"'},
+                )  # fmt: skip
+            claims = verify(token, current_app.config["JWT_SECRET"])
+            granted = set(str(claims.get("scope", "")).split())
+            if scope not in granted:
+                raise ApiError(403, "forbidden", f"this endpoint needs the {scope!r} scope")
+            g.subject = str(claims["sub"])
+            return view(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    return decorate

@@ -1,0 +1,123 @@
+"""`POST /commands/<name>`: parse, validate, hand to command processing, map the outcome."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, jsonify, request
+from pydantic import ValidationError
+
+from app.auth import require
+from app.errors import ApiError
+from commands.bus import CommandBus, ReplyTimeout, Unavailable
+from commands.registry import COMMANDS, CommandSpec
+from commands.schemas import CommandRequest
+
+bp = Blueprint("commands", __name__)
+
+IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1b1c2e-3d0e-4d57-9a55-4c0f1d7e2a10")
+
+
+@bp.post("/commands/<name>")
+@require("commands:write")
+def post_command(name: str) -> Response:
+    spec = COMMANDS.get(name)
+    if spec is None:
+        raise ApiError(404, "not_found", f"unknown command {name!r}; see /openapi.json")
+    if request.mimetype != "application/json":
+        raise ApiError(415, "unsupported_media_type", "send the command as application/json")
+    body = _parse_json()
+    req, data = _validate(spec, body)
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not 1 <= len(key) <= 128:
+        raise ApiError(422, "validation_failed", "invalid Idempotency-Key",
+                       [{"field": "Idempotency-Key", "problem": "must be 1 to 128 characters"}])  # fmt: skip
+    aggregate_id = req.aggregate_id or _new_aggregate_id(spec, key)
+    fingerprint = _fingerprint(name, req.aggregate_id, req.expected_version, data)
+    bus: CommandBus = current_app.extensions["logfold.bus"]
+    msg = bus.new_message(
+        command_id=str(uuid.uuid4()),
+        name=name,
+        aggregate_type=spec.aggregate.name,
+        aggregate_id=aggregate_id,
+        expected_version=req.expected_version,
+        data=data,
+        correlation_id=request.headers.get("X-Correlation-Id") or str(uuid.uuid4()),
+        subject=g.subject,
+        idempotency_key=(f"{g.subject}|{spec.aggregate.name}|{aggregate_id}|{key}"
+                         if key is not None else None),  # fmt: skip
+        fingerprint=fingerprint,
+    )
+    started = time.perf_counter()
+    try:
+        reply = bus.submit(msg)
+    except Unavailable as e:
+        retry = str(current_app.config["RETRY_AFTER_S"])
+        raise ApiError(503, "unavailable", f"Kafka is unavailable; nothing was written ({e})",
+                       headers={"Retry-After": retry}) from e  # fmt: skip
+    except ReplyTimeout as e:
+        raise ApiError(504, "timeout", (
+            "no outcome in time; an unprocessed command expires and is never applied later. "
+            "Retry with the same Idempotency-Key to learn the outcome safely."
+        )) from e  # fmt: skip
+    finally:
+        current_app.extensions["logfold.metrics"].observe(name, time.perf_counter() - started)
+    response = jsonify(reply.body)
+    response.status_code = reply.status
+    if reply.replay:
+        response.headers["Idempotent-Replay"] = "true"
+    current_app.extensions["logfold.metrics"].count(name, reply.status)
+    return response
+
+
+def _parse_json() -> Any:
+    try:
+        return json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}") from e
+
+
+def _validate(spec: CommandSpec, body: Any) -> tuple[CommandRequest, dict[str, Any]]:
+    if not isinstance(body, dict):
+        raise ApiError(422, "validation_failed", "the body must be a JSON object",
+                       [{"field": "", "problem": "expected an object"}])  # fmt: skip
+    details: list[dict[str, str]] = []
+    req: CommandRequest | None = None
+    try:
+        req = CommandRequest.model_validate(body)
+    except ValidationError as e:
+        details += _details(e, prefix=[])
+    data = body.get("data", {})
+    if isinstance(data, dict):
+        try:
+            data = spec.schema.model_validate(data).model_dump(mode="json")
+        except ValidationError as e:
+            details += _details(e, prefix=["data"])
+    if req is not None and req.aggregate_id is None and not spec.creates:
+        details.append({"field": "aggregate_id", "problem": f"required for {spec.name}"})
+    if details or req is None:
+        raise ApiError(422, "validation_failed", f"invalid {spec.name} command", details)
+    return req, data
+
+
+def _details(e: ValidationError, prefix: list[str]) -> list[dict[str, str]]:
+    return [
+        {"field": ".".join(str(p) for p in [*prefix, *err["loc"]]), "problem": err["msg"]}
+        for err in e.errors()
+    ]
+
+
+def _new_aggregate_id(spec: CommandSpec, key: str | None) -> str:
+    """A retried creating command with the same Idempotency-Key must reach the same aggregate."""
+    if key is None:
+        return str(uuid.uuid4())
+    return str(uuid.uuid5(IDEMPOTENCY_NAMESPACE, f"{g.subject}|{spec.name}|{key}"))
+
+
+def _fingerprint(name: str, aggregate_id: str | None, expected: int | None, data: Any) -> str:
+    doc = {"name": name, "aggregate_id": aggregate_id, "expected_version": expected, "data": data}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,74 @@
+"""Every error leaves the API as `{"error": {"code", "message", "details"}}` (API.md)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_failed",
+    503: "unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: list[Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+        self.details = details or []
+        self.headers = headers or {}
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    details: list[Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    response = jsonify({"error": {"code": code, "message": message, "details": details or []}})
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def register(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def _api_error(e: ApiError) -> Response:
+        return error_response(e.status, e.code, e.message, e.details, e.headers)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(e: HTTPException) -> Response:
+        status = e.code or 500
+        message = e.description or e.name
+        if status == 413:
+            message = f"the body is larger than {app.config['MAX_CONTENT_LENGTH']} bytes"
+        response = error_response(status, HTTP_CODES.get(status, "error"), message)
+        if status == 405 and e.get_response().headers.get("Allow"):
+            response.headers["Allow"] = e.get_response().headers["Allow"]
+        return response
+
+    @app.errorhandler(Exception)
+    def _unexpected(e: Exception) -> Response:
+        log.exception("unhandled error")
+        return error_response(500, "internal", "unexpected server error; it has been logged")

@@ -1,0 +1,77 @@
+"""Health of the components the API depends on, each checked with a bounded timeout."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import psycopg
+from kafka import KafkaConsumer, TopicPartition
+from kafka.admin import KafkaAdminClient
+
+from stack.settings import Settings
+from stack.topics import Topics
+
+Status = dict[str, Any]
+
+
+class HealthChecks:
+    def __init__(self, settings: Settings, timeout: float = 3.0) -> None:
+        self.settings, self.timeout = settings, timeout
+        self.topics = Topics(settings.topic_prefix)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
+
+    def run(self) -> dict[str, Status]:
+        checks = {"kafka": self.kafka, "postgres": self.postgres,
+                  "command_processing": self.command_processing}  # fmt: skip
+        futures = {name: self._pool.submit(fn) for name, fn in checks.items()}
+        deadline = time.monotonic() + self.timeout
+        results: dict[str, Status] = {}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result(timeout=max(deadline - time.monotonic(), 0.01))
+            except FutureTimeout:
+                results[name] = {"status": "down", "error": f"no answer in {self.timeout}s"}
+            except Exception as e:
+                results[name] = {"status": "down", "error": str(e) or type(e).__name__}
+        return results
+
+    def _admin(self) -> KafkaAdminClient:
+        return KafkaAdminClient(
+            bootstrap_servers=self.settings.kafka(), request_timeout_ms=int(self.timeout * 1000)
+        )
+
+    def kafka(self) -> Status:
+        admin = self._admin()
+        try:
+            brokers = admin.describe_cluster()["brokers"]
+            return {"status": "up", "brokers": len(brokers)}
+        finally:
+            admin.close()
+
+    def postgres(self) -> Status:
+        with psycopg.connect(self.settings.database(), connect_timeout=int(self.timeout)) as conn:
+            conn.execute("SELECT 1")
+        return {"status": "up"}
+
+    def command_processing(self) -> Status:
+        """Up when the processor group has members; lag = commands not yet processed."""
+        admin = self._admin()
+        group = self.topics.processor_group
+        try:
+            described = admin.describe_groups([group]).get(group, {})
+            members = len(described.get("members", []))
+            committed = admin.list_group_offsets({group: None}).get(group, {})
+        finally:
+            admin.close()
+        consumer = KafkaConsumer(bootstrap_servers=self.settings.kafka(),
+                                 request_timeout_ms=int(self.timeout * 1000))  # fmt: skip
+        try:
+            tps = [TopicPartition(self.topics.commands, p) for p in range(self.settings.partitions)]
+            end = consumer.end_offsets(tps)
+        finally:
+            consumer.close()
+        lag = sum(max(end[tp] - (committed[tp].offset if tp in committed else 0), 0) for tp in tps)
+        return {"status": "up" if members else "down", "processors": members, "lag_events": lag}

@@ -1,0 +1,132 @@
+"""The API side of command processing: send a command to its partition's owner, wait for the
+reply. Each API process reads the replies partition its own id hashes to."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+from kafka import KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+
+from commands.messages import CommandMessage, Reply
+from events.partitioning import partition_for
+from events.store import committed_reader
+from stack.settings import Settings
+from stack.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """Kafka could not take the command; nothing was written."""
+
+
+class ReplyTimeout(Exception):
+    """No reply in time; the command expires unprocessed if no processor picked it up."""
+
+
+class CommandBus:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.instance_id = f"api-{uuid.uuid4()}"
+        self._waiting: dict[str, Future[Reply]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._producer: KafkaProducer | None = None
+        self._thread = threading.Thread(target=self._read_replies, name="replies", daemon=True)
+        self._thread.start()
+
+    def _get_producer(self) -> KafkaProducer:
+        if self._producer is None:
+            with self._lock:
+                if self._producer is None:
+                    self._producer = KafkaProducer(
+                        bootstrap_servers=self.settings.kafka(),
+                        acks="all",
+                        enable_idempotence=True,
+                        linger_ms=1,
+                        max_block_ms=int(self.settings.kafka_timeout_s * 1000),
+                        request_timeout_ms=int(self.settings.kafka_timeout_s * 1000),
+                        delivery_timeout_ms=int(self.settings.kafka_timeout_s * 1000) + 1000,
+                    )
+        return self._producer
+
+    def new_message(self, **fields: object) -> CommandMessage:
+        """A command addressed to this process's replies, expiring after the reply timeout."""
+        return CommandMessage(
+            reply_to=self.instance_id,
+            deadline=time.time() + self.settings.command_timeout_s,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    def submit(self, msg: CommandMessage) -> Reply:
+        """Send and wait. Raises Unavailable (nothing written) or ReplyTimeout."""
+        if not self._ready.wait(self.settings.kafka_timeout_s):
+            raise Unavailable("cannot reach Kafka to receive replies")
+        future: Future[Reply] = Future()
+        with self._lock:
+            self._waiting[msg.command_id] = future
+        try:
+            try:
+                self._get_producer().send(
+                    self.topics.commands,
+                    key=msg.aggregate_id.encode(),
+                    value=msg.encode(),
+                    partition=partition_for(msg.aggregate_id, self.settings.partitions),
+                ).get(timeout=self.settings.kafka_timeout_s + 2)
+            except KafkaError as e:
+                raise Unavailable(str(e)) from e
+            # The processor refuses the command after its deadline; wait a little past it so an
+            # outcome decided just in time still reaches the client.
+            remaining = msg.deadline - time.time() + 1.0
+            try:
+                return future.result(timeout=max(remaining, 0.1))
+            except TimeoutError as e:
+                raise ReplyTimeout() from e
+        finally:
+            with self._lock:
+                self._waiting.pop(msg.command_id, None)
+
+    def _read_replies(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._consume_replies()
+            except Exception:
+                self._ready.clear()
+                log.exception("reply reader failed; reconnecting")
+                self._stopping.wait(1.0)
+
+    def _consume_replies(self) -> None:
+        consumer = committed_reader(self.settings.kafka(), request_timeout_ms=10000)
+        try:
+            tp = TopicPartition(
+                self.topics.replies, partition_for(self.instance_id, self.settings.partitions)
+            )
+            consumer.assign([tp])
+            consumer.seek_to_end(tp)
+            consumer.position(tp)  # resolve now: replies to commands sent later come after it
+            self._ready.set()
+            while not self._stopping.is_set():
+                for records in consumer.poll(timeout_ms=200).values():
+                    for r in records:
+                        if r.key != self.instance_id.encode():
+                            continue
+                        reply = Reply.decode(r.value)
+                        with self._lock:
+                            future = self._waiting.get(reply.command_id)
+                        if future is not None and not future.done():
+                            future.set_result(reply)
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+        if self._producer is not None:
+            self._producer.close(timeout=5)

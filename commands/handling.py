@@ -1,0 +1,142 @@
+"""Deciding one command against a partition's in-memory state: no Kafka here.
+
+`handle` is what a processor runs for each command it owns; it returns the outcome (status,
+body, events) and updates the state in place. The processor then writes the events, the new
+snapshots, the idempotency record and the reply in one Kafka transaction, and throws the state
+away if that transaction does not commit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from commands.errors import Rejected, version_conflict
+from commands.messages import CommandMessage, error_body
+from commands.references import References
+from commands.registry import AGGREGATES, COMMANDS
+from events.serialization import Envelope, envelope_for, from_data, to_data
+
+STATUS = {"not_found": 404, "rule_violated": 409, "version_conflict": 409,
+          "validation_failed": 422}  # fmt: skip
+
+
+@dataclass
+class AggregateRecord:
+    version: int
+    state: Any
+
+    def snapshot(self, aggregate_type: str, aggregate_id: str) -> dict[str, Any]:
+        return {
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "version": self.version,
+            "state": to_data(self.state),
+        }
+
+    @classmethod
+    def from_snapshot(cls, doc: dict[str, Any]) -> AggregateRecord:
+        state_type = AGGREGATES[doc["aggregate_type"]].state_type
+        return cls(doc["version"], from_data(state_type, doc["state"]))
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    fingerprint: str
+    status: int
+    body: dict[str, Any]
+
+
+@dataclass
+class PartitionState:
+    aggregates: dict[tuple[str, str], AggregateRecord] = field(default_factory=dict)
+    idempotency: dict[str, IdempotencyRecord] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    status: int
+    body: dict[str, Any]
+    events: list[Envelope] = field(default_factory=list)
+    replay: bool = False
+
+
+def handle(
+    msg: CommandMessage,
+    part: PartitionState,
+    refs: References,
+    now: Callable[[], float],
+    new_id: Callable[[], str],
+) -> Outcome:
+    if now() > msg.deadline:
+        return Outcome(504, error_body("timeout", "the command expired before it was processed"))
+    if msg.idempotency_key is not None:
+        seen = part.idempotency.get(msg.idempotency_key)
+        if seen is not None:
+            if seen.fingerprint != msg.fingerprint:
+                return Outcome(422, error_body(
+                    "idempotency_key_reused",
+                    "this Idempotency-Key was used for a different request",
+                ))  # fmt: skip
+            return Outcome(seen.status, seen.body, replay=True)
+    try:
+        return _decide(msg, part, refs, now, new_id)
+    except Rejected as r:
+        return Outcome(STATUS[r.code], error_body(r.code, r.message, r.details))
+
+
+def _decide(
+    msg: CommandMessage,
+    part: PartitionState,
+    refs: References,
+    now: Callable[[], float],
+    new_id: Callable[[], str],
+) -> Outcome:
+    spec = COMMANDS.get(msg.name)
+    if spec is None or spec.aggregate.name != msg.aggregate_type:
+        return Outcome(404, error_body("not_found", f"unknown command {msg.name!r}"))
+    try:
+        command = spec.build(spec.schema.model_validate(msg.data))
+    except ValidationError as e:
+        details = [{"field": ".".join(map(str, ["data", *err["loc"]])), "problem": err["msg"]}
+                   for err in e.errors()]  # fmt: skip
+        return Outcome(422, error_body("validation_failed", "the command is invalid", details))
+    key = (msg.aggregate_type, msg.aggregate_id)
+    current = part.aggregates.get(key)
+    version = current.version if current else 0
+    if msg.expected_version is not None and msg.expected_version != version:
+        raise version_conflict(msg.expected_version, version)
+    if current is None and not spec.creates:
+        return Outcome(404, error_body(
+            "not_found", f"{msg.aggregate_type} {msg.aggregate_id} does not exist"
+        ))  # fmt: skip
+    state = current.state if current else None
+    events = spec.aggregate.decide(state, command, refs)
+    occurred_at = datetime.fromtimestamp(now(), UTC).isoformat().replace("+00:00", "Z")
+    envelopes = []
+    for event in events:
+        version += 1
+        state = spec.aggregate.evolve(state, event)
+        envelopes.append(envelope_for(
+            event,
+            event_id=new_id(),
+            aggregate_type=msg.aggregate_type,
+            aggregate_id=msg.aggregate_id,
+            version=version,
+            occurred_at=occurred_at,
+            command_id=msg.command_id,
+            correlation_id=msg.correlation_id,
+            causation_id=msg.command_id,
+        ))  # fmt: skip
+    part.aggregates[key] = AggregateRecord(version, state)
+    body = {
+        "aggregate_type": msg.aggregate_type,
+        "aggregate_id": msg.aggregate_id,
+        "version": version,
+        "events": [{"event_id": e.event_id, "type": e.type, "version": e.version}
+                   for e in envelopes],  # fmt: skip
+    }
+    return Outcome(201, body, envelopes)

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from commands.book import Book
+from commands.errors import invalid, rule_violated
+from commands.references import References
+from events.base import DomainEvent
+from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
+
+Status = Literal["placed", "paid", "shipped", "cancelled"]
+
+
+@dataclass(frozen=True)
+class OrderLine:
+    book_id: str
+    quantity: int
+
+
+@dataclass(frozen=True)
+class PlaceOrder:
+    customer_id: str
+    lines: tuple[OrderLine, ...]
+
+
+@dataclass(frozen=True)
+class PayOrder:
+    amount_cents: int
+
+
+@dataclass(frozen=True)
+class ShipOrder:
+    pass
+
+
+@dataclass(frozen=True)
+class CancelOrder:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Order:
+    customer_id: str
+    total_cents: int
+    status: Status
+
+
+def decide(state: Order | None, command: object, refs: References) -> list[DomainEvent]:
+    match command:
+        case PlaceOrder(customer_id, lines):
+            if state is not None:
+                raise rule_violated("order already exists")
+            return [_place(customer_id, lines, refs)]
+        case PayOrder(amount_cents):
+            assert state is not None
+            if state.status != "placed":
+                raise rule_violated(f"only a placed order can be paid; this one is {state.status}")
+            if amount_cents != state.total_cents:
+                raise rule_violated(
+                    f"amount {amount_cents} does not match the order total {state.total_cents}"
+                )
+            return [OrderPaid(amount_cents=amount_cents)]
+        case ShipOrder():
+            assert state is not None
+            if state.status != "paid":
+                raise rule_violated(f"only a paid order can be shipped; this one is {state.status}")
+            return [OrderShipped()]
+        case CancelOrder(reason):
+            assert state is not None
+            if state.status in ("shipped", "cancelled"):
+                raise rule_violated(f"a {state.status} order cannot be cancelled")
+            return [OrderCancelled(reason=reason)]
+    raise TypeError(f"order cannot handle {command!r}")
+
+
+def _place(customer_id: str, lines: tuple[OrderLine, ...], refs: References) -> OrderPlaced:
+    problems = []
+    if refs.get("customer", customer_id) is None:
+        problems.append({"field": "data.customer_id", "problem": f"unknown customer {customer_id}"})
+    placed = []
+    for i, line in enumerate(lines):
+        book = refs.get("book", line.book_id)
+        if not isinstance(book, Book):
+            problems.append({"field": f"data.lines.{i}.book_id", "problem": "unknown book"})
+            continue
+        placed.append(
+            PlacedLine(
+                line.book_id, line.quantity, book.price_cents, book.author, book.royalty_rate
+            )
+        )
+    if problems:
+        raise invalid("the order refers to unknown customers or books", problems)
+    total = sum(p.quantity * p.unit_price_cents for p in placed)
+    return OrderPlaced(customer_id=customer_id, lines=tuple(placed), total_cents=total)
+
+
+def evolve(state: Order | None, event: DomainEvent) -> Order:
+    match event:
+        case OrderPlaced(customer_id, _, total_cents):
+            return Order(customer_id=customer_id, total_cents=total_cents, status="placed")
+        case OrderPaid():
+            assert state is not None
+            return replace(state, status="paid")
+        case OrderShipped():
+            assert state is not None
+            return replace(state, status="shipped")
+        case OrderCancelled():
+            assert state is not None
+            return replace(state, status="cancelled")
+    raise TypeError(f"order cannot apply {event!r}")

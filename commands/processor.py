@@ -1,0 +1,278 @@
+"""Command processing: the single writer of each partition.
+
+Processors form one consumer group on the commands topic. The owner of partition `p` keeps the
+state of every aggregate in `p` in memory (restored from the snapshot topic on assignment),
+decides each command, and writes events, snapshots, idempotency records, the reply and its
+consumer offset in one Kafka transaction. Each partition has its own transactional id, so a new
+owner's `init_transactions` fences a zombie that still thinks it owns the partition and aborts
+whatever it had in flight. Any failure throws the in-memory state away and starts over from
+what is committed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.structs import OffsetAndMetadata
+
+from commands.handling import AggregateRecord, IdempotencyRecord, PartitionState, handle
+from commands.messages import CommandMessage, Position, Reply
+from events.partitioning import partition_for
+from events.serialization import encode
+from events.store import committed_reader, drain, read_to_end
+from stack.settings import Settings
+from stack.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotReplica:
+    """Every processor's read-only copy of all aggregates' latest state, for reference checks
+    (e.g. does this customer exist?). Eventually consistent; caught up on a miss."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.consumer = committed_reader(bootstrap)
+        parts = self.consumer.partitions_for_topic(topic) or set()
+        self.tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        self.consumer.assign(self.tps)
+        self.consumer.seek_to_beginning(*self.tps)
+        self.latest: dict[tuple[str, str], AggregateRecord] = {}
+
+    def _apply(self, records: list[ConsumerRecord]) -> None:
+        for r in records:
+            if r.value is not None:
+                doc = json.loads(r.value)
+                key = (doc["aggregate_type"], doc["aggregate_id"])
+                self.latest[key] = AggregateRecord.from_snapshot(doc)
+
+    def poll(self) -> None:
+        for records in self.consumer.poll(timeout_ms=0).values():
+            self._apply(records)
+
+    def catch_up(self, timeout: float = 5.0) -> None:
+        self._apply(list(drain(self.consumer, self.tps, timeout)))
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class References:
+    """Reference lookups: local partitions first (they include this batch's decisions), then the
+    replica, caught up once if the aggregate is not there yet."""
+
+    def __init__(self, owners: dict[int, PartitionOwner], replica: SnapshotReplica, n: int):
+        self.owners, self.replica, self.n = owners, replica, n
+
+    def get(self, aggregate_type: str, aggregate_id: str) -> object | None:
+        key = (aggregate_type, aggregate_id)
+        owner = self.owners.get(partition_for(aggregate_id, self.n))
+        if owner is not None:
+            local = owner.state.aggregates.get(key)
+            return local.state if local else None
+        if key not in self.replica.latest:
+            self.replica.catch_up()
+        found = self.replica.latest.get(key)
+        return found.state if found else None
+
+
+class PartitionOwner:
+    """Everything one processor holds for one partition it owns."""
+
+    def __init__(self, settings: Settings, topics: Topics, partition: int) -> None:
+        self.settings, self.topics, self.partition = settings, topics, partition
+        self.producer = KafkaProducer(
+            bootstrap_servers=settings.kafka(),
+            transactional_id=topics.transactional_id(partition),
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=1,
+            transaction_timeout_ms=30000,
+            max_block_ms=int(settings.kafka_timeout_s * 1000),
+        )
+        # Fences any previous owner of this partition and aborts its open transaction.
+        self.producer.init_transactions()
+        self.state = self._restore()
+
+    def _restore(self) -> PartitionState:
+        state = PartitionState()
+        bootstrap, p = self.settings.kafka(), [self.partition]
+        for r in read_to_end(bootstrap, self.topics.snapshots, p):
+            if r.value is not None:
+                doc = json.loads(r.value)
+                key = (doc["aggregate_type"], doc["aggregate_id"])
+                state.aggregates[key] = AggregateRecord.from_snapshot(doc)
+        for r in read_to_end(bootstrap, self.topics.idempotency, p):
+            if r.value is not None:
+                doc = json.loads(r.value)
+                state.idempotency[r.key.decode()] = IdempotencyRecord(**doc)
+        log.info("partition %s restored: %s aggregates", self.partition, len(state.aggregates))
+        return state
+
+    def process(self, records: list[ConsumerRecord], consumer: KafkaConsumer, refs: References):
+        producer, topics, n = self.producer, self.topics, self.settings.partitions
+        producer.begin_transaction()
+        try:
+            pending = []
+            touched: set[tuple[str, str]] = set()
+            for record in records:
+                try:
+                    msg = CommandMessage.decode(record.value)
+                except (ValueError, TypeError, KeyError):
+                    log.error("skipping unreadable command at offset %s", record.offset)
+                    continue
+                outcome = handle(msg, self.state, refs, time.time, lambda: str(uuid.uuid4()))
+                futures = [
+                    producer.send(
+                        topics.events(e.aggregate_type),
+                        key=f"{e.aggregate_id}:{e.version}".encode(),
+                        value=encode(e),
+                        partition=self.partition,
+                    )
+                    for e in outcome.events
+                ]
+                if outcome.events:
+                    touched.add((msg.aggregate_type, msg.aggregate_id))
+                pending.append((msg, outcome, futures))
+            if any(f for _, _, f in pending):
+                producer.flush()  # the offsets of this batch's events become their positions
+            for msg, outcome, futures in pending:
+                if futures:
+                    md = futures[-1].get()
+                    outcome.body["position"] = Position(md.topic, md.partition, md.offset).token()
+                    if msg.idempotency_key is not None:
+                        rec = IdempotencyRecord(msg.fingerprint or "", 201, outcome.body)
+                        self.state.idempotency[msg.idempotency_key] = rec
+                        producer.send(topics.idempotency, key=msg.idempotency_key.encode(),
+                                      value=json.dumps(rec.__dict__).encode(),
+                                      partition=self.partition)  # fmt: skip
+                reply = Reply(msg.command_id, 200 if outcome.replay else outcome.status,
+                              outcome.body, outcome.replay)  # fmt: skip
+                producer.send(topics.replies, key=msg.reply_to.encode(), value=reply.encode(),
+                              partition=partition_for(msg.reply_to, n))  # fmt: skip
+            for agg_type, agg_id in touched:
+                snap = self.state.aggregates[(agg_type, agg_id)].snapshot(agg_type, agg_id)
+                producer.send(topics.snapshots, key=f"{agg_type}:{agg_id}".encode(),
+                              value=json.dumps(snap).encode(), partition=self.partition)  # fmt: skip
+            tp = TopicPartition(topics.commands, self.partition)
+            offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
+            producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
+            producer.commit_transaction()
+        except BaseException:
+            try:
+                producer.abort_transaction()
+            except Exception:  # fenced or broken: the caller restarts from committed state
+                pass
+            raise
+
+    def close(self) -> None:
+        self.producer.close(timeout=5)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, processor: CommandProcessor) -> None:
+        self.processor = processor
+
+    def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        for tp in revoked:
+            owner = self.processor.owners.pop(tp.partition, None)
+            if owner is not None:
+                owner.close()
+
+    def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        # Fetch nothing until the partition is fenced and restored (see _claim).
+        self.processor.consumer_paused(assigned)
+
+
+class CommandProcessor:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.owners: dict[int, PartitionOwner] = {}
+        self._claims: list[TopicPartition] = []
+        self._consumer: KafkaConsumer | None = None
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def consumer_paused(self, assigned: list[TopicPartition]) -> None:
+        assert self._consumer is not None
+        self._consumer.pause(*assigned)
+        self._claims.extend(assigned)
+
+    def run(self) -> None:
+        """Process commands until `stop()`; start over from committed state after any error."""
+        backoff = 0.5
+        while not self._stopping.is_set():
+            try:
+                self._session()
+                backoff = 0.5
+            except Exception:
+                log.exception("command processing failed; restarting from committed state")
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 10)
+            finally:
+                self._close()
+
+    def _session(self) -> None:
+        s = self.settings
+        self._consumer = consumer = KafkaConsumer(
+            bootstrap_servers=s.kafka(),
+            group_id=self.topics.processor_group,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            auto_offset_reset="earliest",
+            max_poll_records=500,
+            session_timeout_ms=10000,
+            heartbeat_interval_ms=1000,
+        )
+        consumer.subscribe([self.topics.commands], listener=_Rebalance(self))
+        replica = SnapshotReplica(s.kafka(), self.topics.snapshots)
+        refs = References(self.owners, replica, s.partitions)
+        try:
+            while not self._stopping.is_set():
+                batches = consumer.poll(timeout_ms=100)
+                self._claim(consumer)
+                replica.poll()
+                for tp, records in batches.items():
+                    owner = self.owners.get(tp.partition)
+                    if owner is not None and records:
+                        owner.process(records, consumer, refs)
+        finally:
+            replica.close()
+
+    def _claim(self, consumer: KafkaConsumer) -> None:
+        while self._claims:
+            tp = self._claims.pop()
+            if tp not in consumer.assignment():
+                continue
+            self.owners[tp.partition] = PartitionOwner(self.settings, self.topics, tp.partition)
+            committed = consumer.committed(tp)  # read after fencing: no pending zombie offsets
+            if committed is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, committed)
+            consumer.resume(tp)
+            log.info("claimed partition %s at offset %s", tp.partition, committed)
+
+    def _close(self) -> None:
+        for owner in self.owners.values():
+            owner.close()
+        self.owners.clear()
+        self._claims.clear()
+        if self._consumer is not None:
+            self._consumer.close(autocommit=False)
+            self._consumer = None
+
+
+def serve(settings: Settings) -> Any:
+    processor = CommandProcessor(settings)
+    processor.run()
+    return processor

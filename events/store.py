@@ -1,0 +1,62 @@
+"""The Kafka side of the log: reading topics to their end, and the event log itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+
+from events.serialization import Envelope, decode
+
+
+def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
+    """A group-less consumer that sees only committed transactions."""
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        **config,
+    )
+
+
+def read_to_end(
+    bootstrap: str, topic: str, partitions: list[int] | None = None, timeout: float = 60.0
+) -> Iterator[ConsumerRecord]:
+    """Every committed record of `topic` (or of some of its partitions) up to the end offsets
+    as they were when the call started."""
+    consumer = committed_reader(bootstrap)
+    try:
+        if partitions is None:
+            known = consumer.partitions_for_topic(topic)
+            if not known:
+                raise LookupError(f"topic {topic} does not exist")
+            partitions = sorted(known)
+        tps = [TopicPartition(topic, p) for p in partitions]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        yield from drain(consumer, tps, timeout)
+    finally:
+        consumer.close()
+
+
+def drain(
+    consumer: KafkaConsumer, tps: list[TopicPartition], timeout: float
+) -> Iterator[ConsumerRecord]:
+    """Poll `consumer` until its position on each of `tps` reaches the current end offset
+    (the last stable offset under read_committed)."""
+    end = consumer.end_offsets(tps)
+    deadline = time.monotonic() + timeout
+    while any(consumer.position(tp) < end[tp] for tp in tps):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not read {tps} to its end within {timeout}s")
+        for records in consumer.poll(timeout_ms=200).values():
+            yield from records
+
+
+def read_events(bootstrap: str, topic: str) -> list[Envelope]:
+    """The whole event log of one topic, decoded (and upcast), in partition order."""
+    return [decode(r.value) for r in read_to_end(bootstrap, topic) if r.value is not None]

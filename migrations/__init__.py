@@ -1,0 +1,1 @@
+"""Alembic migrations for every Postgres table (generated from `projections.metadata`)."""

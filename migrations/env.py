@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import engine_from_config, pool
+
+from projections import metadata
+
+config = context.config
+if not config.get_main_option("sqlalchemy.url"):
+    from stack.migrate import sqlalchemy_url
+    from stack.settings import Settings
+
+    config.set_main_option("sqlalchemy.url", sqlalchemy_url(Settings().database()))
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=metadata,
+                      literal_binds=True)  # fmt: skip
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = engine_from_config(config.get_section(config.config_ini_section, {}),
+                                prefix="sqlalchemy.", poolclass=pool.NullPool)  # fmt: skip
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=metadata)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

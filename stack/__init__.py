@@ -1,0 +1,1 @@
+"""Running Logfold: settings, topics, the local Kafka and Postgres, the CLI and wiring."""

@@ -1,0 +1,142 @@
+"""The `logfold` command."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import click
+
+from stack.settings import Settings
+
+
+def _settings() -> Settings:
+    return Settings()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Logfold: commands in, events to Kafka, views out.
+
+    Configuration comes from the environment (LOGFOLD_*, KAFKA_BOOTSTRAP_SERVERS, DATABASE_URL);
+    see the README for every setting.
+    """
+
+
+@main.command()
+@click.option("--processors", type=int, default=None, help="Command processor processes.")
+def run(processors: int | None) -> None:
+    """Run the whole stack locally: Kafka, Postgres, command processing and the API.
+
+    Kafka and Postgres are started from the project's own data directory unless
+    KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL point at existing ones. Ctrl-C stops everything.
+    """
+    from stack import local, logs
+
+    settings = _settings()
+    logs.configure(settings.log_level)
+    if processors is not None:
+        settings.processors = processors
+    local.run(settings)
+
+
+@main.command()
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def reset(yes: bool) -> None:
+    """Delete the local stack's data (Kafka log, Postgres, dev secret). Stop `run` first."""
+    path = _settings().data_path
+    if not path.exists():
+        click.echo(f"nothing to reset: {path} does not exist")
+        return
+    if not yes:
+        click.confirm(f"Delete everything under {path}?", abort=True)
+    shutil.rmtree(path)
+    click.echo(f"deleted {path}")
+
+
+@main.command()
+@click.option("--host", default=None, help="Interface to listen on (LOGFOLD_API_HOST).")
+@click.option("--port", type=int, default=None, help="Port (LOGFOLD_API_PORT).")
+@click.option("--workers", type=int, default=1, help="gunicorn worker processes.")
+def api(host: str | None, port: int | None, workers: int) -> None:
+    """Serve the HTTP API (needs Kafka, Postgres and LOGFOLD_JWT_SECRET)."""
+    from stack import logs
+    from stack.local import secret_for
+    from stack.serve import ApiServer
+
+    settings = _settings()
+    logs.configure(settings.log_level)
+    settings.api_host = host or settings.api_host
+    settings.api_port = port or settings.api_port
+    settings.jwt_secret = secret_for(settings)
+    _require_topics(settings)
+    ApiServer(settings, workers).run()
+
+
+@main.command()
+def processor() -> None:
+    """Run a command processor (one member of the processors' consumer group)."""
+    import signal
+
+    from commands.processor import CommandProcessor
+    from stack import logs
+
+    settings = _settings()
+    logs.configure(settings.log_level)
+    _require_topics(settings)
+    proc = CommandProcessor(settings)
+    signal.signal(signal.SIGTERM, lambda *_: proc.stop())
+    signal.signal(signal.SIGINT, lambda *_: proc.stop())
+    proc.run()
+
+
+@main.command()
+def migrate() -> None:
+    """Apply the Alembic migrations to DATABASE_URL (alembic upgrade head)."""
+    from stack.migrate import upgrade
+
+    upgrade(_settings().database())
+    click.echo("database is at the latest revision")
+
+
+@main.command()
+@click.option("--create", is_flag=True, help="Create missing topics before checking.")
+def topics(create: bool) -> None:
+    """Check (and with --create, create) every Kafka topic Logfold uses."""
+    from stack.topics import Topics, create_topics
+
+    settings = _settings()
+    if create:
+        for name in create_topics(settings):
+            click.echo(f"created {name}")
+    _require_topics(settings)
+    for spec in Topics(settings.topic_prefix).specs():
+        click.echo(f"ok  {spec.name:<28} {spec.purpose}")
+
+
+@main.command()
+@click.option("--scope", "scopes", multiple=True,
+              type=click.Choice(["commands:write", "views:read", "admin"]),
+              help="Scope to grant (repeatable); all scopes by default.")  # fmt: skip
+@click.option("--subject", default="developer", show_default=True, help="The token's subject.")
+@click.option("--ttl", default=86400, show_default=True, help="Lifetime in seconds.")
+def token(scopes: tuple[str, ...], subject: str, ttl: int) -> None:
+    """Print a bearer token signed with LOGFOLD_JWT_SECRET (or the local stack's secret)."""
+    from app.auth import SCOPES, issue_token
+    from stack.local import secret_for
+
+    click.echo(issue_token(secret_for(_settings()), subject, scopes or SCOPES, ttl))
+
+
+def _require_topics(settings: Settings) -> None:
+    from stack.topics import TopicMisconfigured, check_topics
+
+    try:
+        check_topics(settings)
+    except TopicMisconfigured as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`logfold run`: the whole stack on one machine, on local defaults.
+
+Starts what is not configured externally (Kafka, Postgres), prepares topics and tables, then runs
+command processors and the API as child processes until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import requests
+
+from stack.local_kafka import LocalKafka
+from stack.local_postgres import LocalPostgres
+from stack.migrate import upgrade
+from stack.procs import port_open, stop_process, wait_until
+from stack.settings import Settings
+from stack.topics import check_topics, create_topics
+
+
+def load_or_create_secret(path: Path) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_urlsafe(32)
+    path.write_text(secret)
+    path.chmod(0o600)
+    return secret
+
+
+def secret_for(settings: Settings) -> str:
+    return settings.jwt_secret or load_or_create_secret(settings.data_path / "jwt-secret")
+
+
+class LocalStack:
+    def __init__(self, settings: Settings, say: object = print) -> None:
+        self.settings = settings
+        self.say = say  # type: ignore[assignment]
+        self.kafka: LocalKafka | None = None
+        self.postgres: LocalPostgres | None = None
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def _check_port(self, port: int, what: str, variable: str) -> None:
+        if port_open(port):
+            raise RuntimeError(
+                f"port {port} for {what} is already in use: is another `logfold run` running? "
+                f"Stop it, or choose another port with {variable}."
+            )
+
+    def start_services(self) -> Settings:
+        s, data = self.settings, self.settings.data_path
+        if not s.kafka_bootstrap_servers:
+            self._check_port(s.kafka_port, "Kafka", "LOGFOLD_KAFKA_PORT")
+            self.say(f"starting Kafka on 127.0.0.1:{s.kafka_port} (data in {data / 'kafka'})")
+            self.kafka = LocalKafka(s.lib_path, data / "kafka", s.kafka_port, s.kafka_port + 1)
+            self.kafka.start()
+            s.kafka_bootstrap_servers = self.kafka.bootstrap
+        if not s.database_url:
+            self._check_port(s.postgres_port, "Postgres", "LOGFOLD_POSTGRES_PORT")
+            self.say(f"starting Postgres on 127.0.0.1:{s.postgres_port} (data in {data / 'pg'})")
+            self.postgres = LocalPostgres(data / "pg", s.postgres_port)
+            self.postgres.start()
+            s.database_url = self.postgres.url
+        s.jwt_secret = secret_for(s)
+        created = create_topics(s)
+        if created:
+            self.say(f"created topics: {', '.join(created)}")
+        check_topics(s)
+        upgrade(s.database())
+        return s
+
+    def env(self) -> dict[str, str]:
+        s = self.settings
+        env = dict(os.environ)
+        env.update({
+            "KAFKA_BOOTSTRAP_SERVERS": s.kafka(),
+            "DATABASE_URL": s.database(),
+            "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
+            "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
+            "LOGFOLD_PARTITIONS": str(s.partitions),
+        })  # fmt: skip
+        return env
+
+    def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", *args], env=env or self.env())
+        self.children.append(proc)
+        return proc
+
+    def start_processes(self) -> None:
+        s = self.settings
+        self._check_port(s.api_port, "the API", "LOGFOLD_API_PORT")
+        for _ in range(s.processors):
+            self.spawn("processor")
+        self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
+        url = f"http://{s.api_host}:{s.api_port}/health"
+        wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)
+
+    def stop(self) -> None:
+        for proc in reversed(self.children):
+            stop_process(proc)
+        self.children.clear()
+        if self.postgres is not None:
+            self.postgres.stop()
+        if self.kafka is not None:
+            self.kafka.stop()
+
+
+def run(settings: Settings) -> None:
+    from app.auth import issue_token
+
+    stack = LocalStack(settings)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    try:
+        stack.start_services()
+        stack.start_processes()
+        base = f"http://{settings.api_host}:{settings.api_port}"
+        token = issue_token(settings.jwt_secret or "")
+        print(f"""
+Logfold is running.
+  API        {base}   (docs: {base}/docs, contract: {base}/openapi.json)
+  health     {base}/health
+  Kafka      {settings.kafka()}
+  Postgres   {settings.database()}
+
+Development token (all scopes, valid 24 h):
+  {token}
+
+Try:
+  curl -X POST {base}/commands/register-customer -H 'Content-Type: application/json' \\
+       -H "Authorization: Bearer $TOKEN" -d '{{"data": {{"name": "Ada", "email": "ada@example.com"}}}}'
+
+Ctrl-C stops everything; data stays in {settings.data_path} (`logfold reset` wipes it).
+""", flush=True)  # fmt: skip
+        while not stopped.wait(0.5):
+            for child in stack.children:
+                if child.poll() is not None:
+                    raise RuntimeError(f"{child.args} exited with {child.returncode}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping…", flush=True)
+        stack.stop()

@@ -1,0 +1,131 @@
+"""A single-node Kafka broker in KRaft mode, from Apache Kafka's jars on Maven Central."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+from stack.procs import port_open, stop_process, wait_until
+
+POM = Path(__file__).parent / "kafka" / "pom.xml"
+LOG4J = Path(__file__).parent / "kafka" / "log4j2.properties"
+
+
+def ensure_jars(lib_dir: Path) -> Path:
+    """Fetch the pinned broker and its runtime jars with Maven unless already present."""
+    target = (lib_dir / "kafka").resolve()
+    stamp = target / ".pom"
+    pom_text = POM.read_text()
+    if stamp.exists() and stamp.read_text() == pom_text:
+        return target
+    if shutil.which("mvn") is None:
+        raise RuntimeError("Maven (mvn) is needed to fetch the Kafka jars: apt-get install maven")
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    subprocess.run(
+        ["mvn", "-q", "-B", "-Dstyle.color=never", "-f", str(POM), "dependency:copy-dependencies",
+         "-DincludeScope=runtime", f"-DoutputDirectory={target}"],
+        check=True,
+    )
+    stamp.write_text(pom_text)
+    return target
+
+
+class LocalKafka:
+    """One broker+controller process with its own data directory and ports."""
+
+    def __init__(self, lib_dir: Path, data_dir: Path, port: int, controller_port: int) -> None:
+        self.jars = ensure_jars(lib_dir)
+        self.data_dir = data_dir
+        self.port = port
+        self.controller_port = controller_port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _java(self, *args: str, heap: str = "256m") -> list[str]:
+        return [
+            "java", f"-Xmx{heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={LOG4J}", f"-Dkafka.logs.dir={self.data_dir / 'logs'}",
+            "-cp", f"{self.jars}/*", *args,
+        ]  # fmt: skip
+
+    def _write_config(self) -> Path:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.data_dir / "server.properties"
+        p, c = self.port, self.controller_port
+        conf.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@127.0.0.1:{c}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{p}",
+                    "controller.listener.names=CONTROLLER",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+                    f"log.dirs={self.data_dir / 'log'}",
+                    "num.partitions=1",
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=4",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "transaction.state.log.num.partitions=4",
+                    "share.coordinator.state.topic.replication.factor=1",
+                    "share.coordinator.state.topic.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    "auto.create.topics.enable=false",
+                    "log.cleaner.backoff.ms=1000",
+                    "transaction.abort.timed.out.transaction.cleanup.interval.ms=5000",
+                    "",
+                ]
+            )
+        )
+        return conf
+
+    def start(self, timeout: float = 90.0) -> None:
+        conf = self._write_config()
+        if not (self.data_dir / "log" / "meta.properties").exists():
+            subprocess.run(
+                self._java("kafka.tools.StorageTool", "format", "-t", _new_cluster_id(),
+                           "-c", str(conf), "--ignore-formatted"),
+                check=True, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+        log = (self.data_dir / "broker.out").open("ab")
+        self.proc = subprocess.Popen(
+            self._java("kafka.Kafka", str(conf), heap="512m"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_until(self._ready, timeout, f"Kafka on {self.bootstrap} (log: {log.name})")
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"Kafka exited with {self.proc.returncode}; see {self.data_dir}")
+        if not port_open(self.port):
+            return False
+        from kafka.admin import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000)
+        try:
+            return bool(admin.describe_cluster()["brokers"])
+        finally:
+            admin.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, timeout=30)
+            self.proc = None
+
+
+def _new_cluster_id() -> str:
+    """KRaft cluster ids are 16 random bytes in URL-safe base64 without padding."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")

@@ -1,0 +1,119 @@
+"""A Postgres server from the Debian binaries, with its own data directory and port, configured
+for logical decoding. Run as the unprivileged `postgres` user when started by root."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from stack.procs import is_root, stop_process, wait_until
+
+SERVER_CONF = {
+    "listen_addresses": "127.0.0.1",
+    "unix_socket_directories": "",
+    "wal_level": "logical",
+    "max_replication_slots": "16",
+    "max_wal_senders": "16",
+    "max_slot_wal_keep_size": "2GB",
+    "max_connections": "200",
+    "shared_buffers": "256MB",
+    "log_min_messages": "warning",
+}
+
+
+def find_bindir() -> Path:
+    """The newest installed server binaries (Debian keeps them under /usr/lib/postgresql/N/bin)."""
+    candidates = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/postgres"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
+    if candidates:
+        return candidates[-1].parent
+    found = shutil.which("postgres")
+    if found:
+        return Path(found).parent
+    raise RuntimeError(
+        "Postgres server binaries not found; install them with "
+        "`apt-get install -y postgresql` (the README's `make` targets do this for you)"
+    )
+
+
+class LocalPostgres:
+    def __init__(self, data_dir: Path, port: int, database: str = "logfold") -> None:
+        self.bindir = find_bindir()
+        self.data_dir = data_dir
+        self.port = port
+        self.database = database
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://logfold@127.0.0.1:{self.port}/{self.database}"
+
+    def _as_owner(self) -> dict[str, Any]:
+        return {"user": "postgres", "group": "postgres"} if is_root() else {}
+
+    def _prepare_dir(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if is_root():
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.data_dir, pw.pw_uid, pw.pw_gid)
+            # The server user must be able to reach its data directory.
+            for parent in self.data_dir.resolve().parents:
+                mode = parent.stat().st_mode
+                if not mode & 0o001:
+                    parent.chmod(mode | 0o001)
+        self.data_dir.chmod(0o700)
+
+    def start(self, timeout: float = 60.0) -> None:
+        pgdata = self.data_dir / "pgdata"
+        if not (pgdata / "PG_VERSION").exists():
+            self._prepare_dir()
+            subprocess.run(
+                [str(self.bindir / "initdb"), "-D", str(pgdata), "-U", "logfold",
+                 "-A", "trust", "-E", "UTF8", "--locale=C.UTF-8"],
+                check=True, stdout=subprocess.DEVNULL, **self._as_owner(),
+            )  # fmt: skip
+        args = [str(self.bindir / "postgres"), "-D", str(pgdata), "-p", str(self.port)]
+        for key, value in SERVER_CONF.items():
+            args += ["-c", f"{key}={value}"]
+        log = (self.data_dir / "postgres.log").open("ab")
+        if is_root():
+            os.chown(log.name, pwd.getpwnam("postgres").pw_uid, -1)
+        self.proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **self._as_owner()
+        )
+        wait_until(self._ready, timeout, f"Postgres on port {self.port} (log: {log.name})")
+        self._ensure_database()
+
+    def _ready(self) -> bool:
+        import psycopg
+
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"Postgres exited with {self.proc.returncode}; see {self.data_dir}")
+        with psycopg.connect(self._url("postgres"), connect_timeout=2):
+            return True
+
+    def _url(self, database: str) -> str:
+        return f"postgresql://logfold@127.0.0.1:{self.port}/{database}"
+
+    def _ensure_database(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self._url("postgres"), autocommit=True) as conn:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)
+            ).fetchone()
+            if not exists:
+                conn.execute(f'CREATE DATABASE "{self.database}"')
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            # SIGTERM is Postgres's "smart" shutdown; SIGINT ("fast") does not wait for clients.
+            self.proc.send_signal(2)
+            stop_process(self.proc, timeout=30)
+            self.proc = None

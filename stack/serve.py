@@ -1,0 +1,35 @@
+"""Serving the API with gunicorn (threaded workers, which flask-sock's websockets need)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gunicorn.app.base import BaseApplication
+
+from stack.settings import Settings
+
+
+class ApiServer(BaseApplication):  # type: ignore[misc]
+    def __init__(self, settings: Settings, workers: int = 1) -> None:
+        self.settings = settings
+        self.options = {
+            "bind": f"{settings.api_host}:{settings.api_port}",
+            "worker_class": "gthread",
+            "workers": workers,
+            "threads": settings.api_threads,
+            "timeout": 60,
+            "graceful_timeout": 10,
+            "accesslog": None,
+            "loglevel": "warning",
+        }
+        super().__init__()
+
+    def load_config(self) -> None:
+        for key, value in self.options.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Any:
+        # Runs in each worker after the fork, so Kafka clients and threads belong to it.
+        from app import create_app
+
+        return create_app(self.settings)

@@ -1,0 +1,65 @@
+"""All configuration, from the environment (`LOGFOLD_*`, plus the usual `KAFKA_BOOTSTRAP_SERVERS`
+and `DATABASE_URL`). Unset Kafka/Postgres addresses mean "start local ones" under `logfold run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOGFOLD_", extra="ignore", populate_by_name=True)
+
+    kafka_bootstrap_servers: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("KAFKA_BOOTSTRAP_SERVERS", "LOGFOLD_KAFKA_BOOTSTRAP_SERVERS"),
+    )
+    database_url: str | None = Field(
+        default=None, validation_alias=AliasChoices("DATABASE_URL", "LOGFOLD_DATABASE_URL")
+    )
+    topic_prefix: str = ""
+    partitions: int = Field(default=4, ge=1)
+    replication_factor: int = Field(default=1, ge=1)
+
+    home: Path = Path(".stack")
+    data_dir: Path | None = None
+    kafka_port: int = 19092
+    postgres_port: int = 15432
+
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    api_threads: int = 32
+    processors: int = Field(default=1, ge=1)
+
+    jwt_secret: str | None = None
+    command_timeout_s: float = Field(default=10.0, gt=0)
+    kafka_timeout_s: float = Field(default=5.0, gt=0)
+    max_body_bytes: int = 64 * 1024
+    retry_after_s: int = 5
+    log_level: str = "INFO"
+
+    @property
+    def data_path(self) -> Path:
+        return self.data_dir or self.home / "data"
+
+    @property
+    def lib_path(self) -> Path:
+        return self.home / "lib"
+
+    def kafka(self) -> str:
+        if not self.kafka_bootstrap_servers:
+            raise RuntimeError(
+                "KAFKA_BOOTSTRAP_SERVERS is not set; run `logfold run` to start a local broker "
+                "or point KAFKA_BOOTSTRAP_SERVERS at one"
+            )
+        return self.kafka_bootstrap_servers
+
+    def database(self) -> str:
+        if not self.database_url:
+            raise RuntimeError(
+                "DATABASE_URL is not set; run `logfold run` to start a local Postgres "
+                "or point DATABASE_URL at one (postgresql://user:pass@host:port/db)"
+            )
+        return self.database_url

@@ -1,0 +1,170 @@
+"""The Kafka topics Logfold owns, their required configuration, and the start-up check.
+
+Every partitioned topic has the same partition count so that `partition_for(aggregate_id)` names
+the same partition in each (see events.partitioning)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from events.catalog import AGGREGATE_TYPES
+from stack.settings import Settings
+
+DAY_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    purpose: str
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+class Topics:
+    """Topic names for one deployment (a prefix lets several share a cluster)."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+
+    def events(self, aggregate_type: str) -> str:
+        return f"{self.prefix}events.{aggregate_type}"
+
+    @property
+    def commands(self) -> str:
+        return f"{self.prefix}commands"
+
+    @property
+    def replies(self) -> str:
+        return f"{self.prefix}replies"
+
+    @property
+    def snapshots(self) -> str:
+        return f"{self.prefix}snapshots"
+
+    @property
+    def idempotency(self) -> str:
+        return f"{self.prefix}idempotency"
+
+    @property
+    def processor_group(self) -> str:
+        return f"{self.prefix}logfold-command-processors"
+
+    def transactional_id(self, partition: int) -> str:
+        return f"{self.prefix}logfold-command-partition-{partition}"
+
+    def specs(self) -> list[TopicSpec]:
+        compact = {"cleanup.policy": "compact", "retention.ms": "-1", "min.compaction.lag.ms": "0"}
+        return [
+            *(
+                TopicSpec(self.events(a), f"event log of {a} aggregates", compact)
+                for a in AGGREGATE_TYPES
+            ),
+            TopicSpec(self.snapshots, "write-model state per aggregate", compact),
+            TopicSpec(
+                self.idempotency,
+                "responses by Idempotency-Key",
+                {"cleanup.policy": "compact,delete", "retention.ms": str(7 * DAY_MS)},
+            ),
+            TopicSpec(
+                self.commands,
+                "commands waiting for their partition's processor",
+                {"cleanup.policy": "delete", "retention.ms": str(DAY_MS)},
+            ),
+            TopicSpec(
+                self.replies,
+                "command outcomes for the API process waiting on them",
+                {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+            ),
+        ]
+
+
+class TopicMisconfigured(RuntimeError):
+    pass
+
+
+def admin_client(settings: Settings) -> KafkaAdminClient:
+    return KafkaAdminClient(
+        bootstrap_servers=settings.kafka(),
+        client_id="logfold-admin",
+        request_timeout_ms=int(settings.kafka_timeout_s * 1000),
+    )
+
+
+def create_topics(settings: Settings) -> list[str]:
+    """Create missing topics with the required configuration; return the names created."""
+    topics = Topics(settings.topic_prefix)
+    admin = admin_client(settings)
+    try:
+        existing = set(admin.list_topics())
+        missing = [s for s in topics.specs() if s.name not in existing]
+        created = []
+        for spec in missing:
+            try:
+                admin.create_topics(
+                    [
+                        NewTopic(
+                            spec.name,
+                            settings.partitions,
+                            settings.replication_factor,
+                            topic_configs=spec.configs,
+                        )
+                    ]
+                )
+                created.append(spec.name)
+            except TopicAlreadyExistsError:
+                pass
+        return created
+    finally:
+        admin.close()
+
+
+def check_topics(settings: Settings) -> None:
+    """Raise TopicMisconfigured, naming every problem and its fix, unless every topic exists
+    with the expected partition count and configuration."""
+    topics = Topics(settings.topic_prefix)
+    specs = topics.specs()
+    admin = admin_client(settings)
+    try:
+        described = {t["name"]: t for t in admin.describe_topics([s.name for s in specs])}
+        problems = []
+        present = []
+        for spec in specs:
+            topic = described.get(spec.name)
+            if topic is None or topic.get("error_code", 0) != 0:
+                problems.append(f"topic {spec.name} is missing (run `logfold topics --create`)")
+                continue
+            present.append(spec)
+            count = len(topic["partitions"])
+            if count != settings.partitions:
+                problems.append(
+                    f"topic {spec.name} has {count} partitions, expected {settings.partitions} "
+                    "(LOGFOLD_PARTITIONS); all Logfold topics must share one partition count"
+                )
+        if present:
+            resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in present]
+            configs = admin.describe_configs(resources, config_filter="all")
+            for spec in present:
+                actual = configs["topic"][spec.name]
+                for key, want in spec.configs.items():
+                    have = str(actual.get(key, {}).get("value"))
+                    if key == "min.compaction.lag.ms":
+                        continue
+                    if _normalized(have) != _normalized(want):
+                        problems.append(
+                            f"topic {spec.name} has {key}={have}, expected {key}={want} "
+                            f"(fix: kafka-configs --alter --entity-type topics "
+                            f"--entity-name {spec.name} --add-config {key}={want})"
+                        )
+        if problems:
+            raise TopicMisconfigured(
+                "Kafka topics are not configured as Logfold requires:\n  - " + "\n  - ".join(problems)
+            )
+    finally:
+        admin.close()
+
+
+def _normalized(value: str) -> str:
+    return ",".join(sorted(value.split(",")))

@@ -1,0 +1,229 @@
+"""docker-compose.yml is a valid Compose file and has the topology the design describes.
+
+There is no Docker engine on the build machines, so `docker compose config` cannot check the file.
+Instead it is validated against the official Compose Specification JSON schema, vendored in
+stack/compose/ (see the README there for its origin), plus assertions about the layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+from jsonschema.validators import validator_for
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+SCHEMA_FILE = ROOT / "stack" / "compose" / "compose-spec.json"
+# The vendored file as shipped in check-jsonschema 0.39.0; update together with the README.
+SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
+
+INFRA_SERVICES = {"kafka", "postgres"}
+APP_SERVICES = {"migrate", "processor", "api", "projector", "cdc"}
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+    return data
+
+
+@pytest.fixture(scope="module")
+def validator(schema: dict[str, Any]) -> Any:
+    # Use the draft the schema declares in "$schema" (2020-12: it relies on
+    # unevaluatedProperties, which older drafts silently ignore).
+    cls = validator_for(schema)
+    cls.check_schema(schema)
+    # No format checker: Compose durations ("10s") are not ISO 8601 durations.
+    return cls(schema)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+    return data
+
+
+def _errors(validator: Any, document: dict[str, Any]) -> list[ValidationError]:
+    return sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+
+
+def _all_messages(errors: list[ValidationError]) -> str:
+    """Messages of the errors and of their sub-errors (allOf/oneOf branches)."""
+    out: list[str] = []
+    stack = list(errors)
+    while stack:
+        err = stack.pop()
+        out.append(err.message)
+        stack.extend(err.context or [])
+    return "\n".join(out)
+
+
+def _depends_on_targets(service: dict[str, Any]) -> list[str]:
+    deps = service.get("depends_on") or []
+    return list(deps)  # list form, or the keys of the long (mapping) form
+
+
+# --- the vendored schema ----------------------------------------------------------------------
+
+
+def test_vendored_schema_is_the_recorded_upstream_file() -> None:
+    digest = hashlib.sha256(SCHEMA_FILE.read_bytes()).hexdigest()
+    assert digest == SCHEMA_SHA256, "stack/compose/compose-spec.json changed; see its README"
+
+
+def test_schema_declares_draft_2020_12(schema: dict[str, Any], validator: Any) -> None:
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert isinstance(validator, Draft202012Validator)
+
+
+# --- the compose file against the schema ------------------------------------------------------
+
+
+def test_compose_file_is_valid_against_compose_spec(
+    validator: Any, compose: dict[str, Any]
+) -> None:
+    errors = _errors(validator, compose)
+    details = "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+    assert not errors, f"docker-compose.yml violates the Compose Specification:\n{details}"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        # A typo'd key inside a service (unevaluatedProperties: false).
+        (
+            lambda doc: doc["services"]["api"].__setitem__(
+                "enviroment", doc["services"]["api"].pop("environment")
+            ),
+            "enviroment",
+        ),
+        # A typo'd top-level key.
+        (lambda doc: doc.__setitem__("servcies", doc.pop("services")), "servcies"),
+        # A wrong type deep inside a service (replicas may be an integer or a "${VAR}" string).
+        (
+            lambda doc: doc["services"]["processor"]["deploy"].__setitem__("replicas", [2]),
+            "[2] is not of type",
+        ),
+        # An unknown depends_on condition.
+        (
+            lambda doc: doc["services"]["api"]["depends_on"]["migrate"].__setitem__(
+                "condition", "service_finished"
+            ),
+            "service_finished",
+        ),
+    ],
+    ids=["service-key-typo", "top-level-key-typo", "replicas-wrong-type", "bad-condition"],
+)
+def test_broken_copies_fail_validation(
+    validator: Any, compose: dict[str, Any], mutate: Any, expected: str
+) -> None:
+    broken = copy.deepcopy(compose)
+    mutate(broken)
+    errors = _errors(validator, broken)
+    assert errors, "a deliberately broken compose document passed schema validation"
+    assert expected in _all_messages(errors)
+
+
+# --- topology ---------------------------------------------------------------------------------
+
+
+def test_expected_services_exist(compose: dict[str, Any]) -> None:
+    assert set(compose["services"]) == INFRA_SERVICES | APP_SERVICES
+
+
+def test_every_app_service_uses_the_same_build_and_image(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    builds = {json.dumps(services[name].get("build"), sort_keys=True) for name in APP_SERVICES}
+    images = {services[name].get("image") for name in APP_SERVICES}
+    assert len(builds) == 1 and len(images) == 1, (builds, images)
+    build = services["api"]["build"]
+    assert build["context"] == "." and build["dockerfile"] == "Dockerfile"
+    assert (ROOT / build["dockerfile"]).is_file()
+    assert images != {None}
+
+
+def test_app_commands(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    migrate_cmd = " ".join(services["migrate"]["entrypoint"] + services["migrate"]["command"])
+    assert "logfold migrate" in migrate_cmd
+    assert "logfold topics --create" in migrate_cmd
+    assert services["migrate"]["restart"] == "no"
+    assert services["processor"]["command"] == ["processor"]
+    assert services["api"]["command"][0] == "api"
+    assert services["projector"]["command"] == ["projector"]
+    assert services["cdc"]["command"] == ["cdc"]
+    assert "8000:8000" in services["api"]["ports"]
+    assert "localhost:8000/health" in " ".join(services["api"]["healthcheck"]["test"])
+
+
+def test_app_environment(compose: dict[str, Any]) -> None:
+    for name in APP_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092", name
+        assert env["DATABASE_URL"] == "postgresql://logfold:logfold@postgres:5432/logfold", name
+        assert env["LOGFOLD_JWT_SECRET"] == "${LOGFOLD_JWT_SECRET:-change-me}", name
+        assert "LOGFOLD_TOPIC_PREFIX" in env, name
+
+
+def test_postgres_has_logical_decoding(compose: dict[str, Any]) -> None:
+    postgres = compose["services"]["postgres"]
+    command = postgres["command"]
+    command = command if isinstance(command, str) else " ".join(command)
+    for setting in (
+        "wal_level=logical",
+        "max_replication_slots=10",
+        "max_wal_senders=10",
+        "max_slot_wal_keep_size=1GB",
+    ):
+        assert setting in command
+    assert postgres["image"] == "postgres:16"
+    assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
+
+
+def test_kafka_is_single_node_kraft(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert not any("zookeeper" in name.lower() for name in services)
+    kafka = services["kafka"]
+    assert kafka["image"] == "apache/kafka:4.1.1"
+    env = kafka["environment"]
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    assert not any("ZOOKEEPER" in key for key in env)
+    assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == 1
+    assert env["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"] == 1
+    assert "healthcheck" in kafka
+
+
+def test_depends_on_targets_exist_and_gate_on_health(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name, service in services.items():
+        for target in _depends_on_targets(service):
+            assert target in services, f"{name} depends on unknown service {target!r}"
+            assert target != name
+    for name in APP_SERVICES:
+        deps = services[name]["depends_on"]
+        assert deps["kafka"]["condition"] == "service_healthy", name
+        assert deps["postgres"]["condition"] == "service_healthy", name
+        if name != "migrate":
+            assert deps["migrate"]["condition"] == "service_completed_successfully", name
+
+
+def test_processor_runs_several_replicas(compose: dict[str, Any]) -> None:
+    assert compose["services"]["processor"]["deploy"]["replicas"] >= 2
+
+
+def test_named_volumes_are_declared(compose: dict[str, Any]) -> None:
+    declared = set(compose.get("volumes") or {})
+    for name, service in compose["services"].items():
+        for mount in service.get("volumes") or []:
+            source = mount.split(":", 1)[0] if isinstance(mount, str) else mount.get("source")
+            if source and not source.startswith((".", "/", "~", "$")):
+                assert source in declared, f"{name} mounts undeclared volume {source!r}"
+    assert {"kafka-data", "postgres-data"} <= declared
