@@ -22,19 +22,26 @@ def issue_token(
     secret: str, subject: str = "developer", scopes: tuple[str, ...] = SCOPES, ttl_s: int = 86400
 ) -> str:
     now = int(time.time())
-    claims = {"sub": subject, "scope": " ".join(scopes), "iss": ISSUER, "iat": now,
-              "exp": now + ttl_s}  # fmt: skip
+    claims = {
+        "sub": subject,
+        "scope": " ".join(scopes),
+        "iss": ISSUER,
+        "iat": now,
+        "exp": now + ttl_s,
+    }
     return jwt.encode(claims, secret, algorithm="HS256")
 
 
 def verify(token: str, secret: str) -> dict[str, Any]:
     """The token's claims; raises ApiError(401) on anything not signed by us or expired."""
     try:
-        return cast(
-            dict[str, Any],
-            jwt.decode(token, secret, algorithms=["HS256"], issuer=ISSUER,
-                       options={"require": ["sub", "exp", "scope"]}),
-        )  # fmt: skip
+        return jwt.decode(
+            token,
+            secret,
+            algorithms=["HS256"],
+            issuer=ISSUER,
+            options={"require": ["sub", "exp", "scope"]},
+        )
     except jwt.ExpiredSignatureError as e:
         raise ApiError(401, "unauthorized", "the token has expired; get a new one") from e
     except jwt.InvalidTokenError as e:
@@ -58,9 +65,11 @@ def require(scope: str) -> Callable[[F], F]:
             token = bearer_token()
             if token is None:
                 raise ApiError(
-                    401, "unauthorized", "send `Authorization: Bearer <token>`",
+                    401,
+                    "unauthorized",
+                    "send `Authorization: Bearer <token>`",
                     headers={"WWW-Authenticate": 'Bearer realm="logfold"'},
-                )  # fmt: skip
+                )
             claims = verify(token, current_app.config["JWT_SECRET"])
             granted = set(str(claims.get("scope", "")).split())
             if scope not in granted:

@@ -34,8 +34,12 @@ def post_command(name: str) -> Response:
     req, data = _validate(spec, body)
     key = request.headers.get("Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 128:
-        raise ApiError(422, "validation_failed", "invalid Idempotency-Key",
-                       [{"field": "Idempotency-Key", "problem": "must be 1 to 128 characters"}])  # fmt: skip
+        raise ApiError(
+            422,
+            "validation_failed",
+            "invalid Idempotency-Key",
+            [{"field": "Idempotency-Key", "problem": "must be 1 to 128 characters"}],
+        )
     aggregate_id = req.aggregate_id or _new_aggregate_id(spec, key)
     fingerprint = _fingerprint(name, req.aggregate_id, req.expected_version, data)
     bus: CommandBus = current_app.extensions["logfold.bus"]
@@ -48,8 +52,9 @@ def post_command(name: str) -> Response:
         data=data,
         correlation_id=request.headers.get("X-Correlation-Id") or str(uuid.uuid4()),
         subject=g.subject,
-        idempotency_key=(f"{g.subject}|{spec.aggregate.name}|{aggregate_id}|{key}"
-                         if key is not None else None),  # fmt: skip
+        idempotency_key=(
+            f"{g.subject}|{spec.aggregate.name}|{aggregate_id}|{key}" if key is not None else None
+        ),
         fingerprint=fingerprint,
     )
     started = time.perf_counter()
@@ -57,13 +62,21 @@ def post_command(name: str) -> Response:
         reply = bus.submit(msg)
     except Unavailable as e:
         retry = str(current_app.config["RETRY_AFTER_S"])
-        raise ApiError(503, "unavailable", f"Kafka is unavailable; nothing was written ({e})",
-                       headers={"Retry-After": retry}) from e  # fmt: skip
+        raise ApiError(
+            503,
+            "unavailable",
+            f"Kafka is unavailable; nothing was written ({e})",
+            headers={"Retry-After": retry},
+        ) from e
     except ReplyTimeout as e:
-        raise ApiError(504, "timeout", (
-            "no outcome in time; an unprocessed command expires and is never applied later. "
-            "Retry with the same Idempotency-Key to learn the outcome safely."
-        )) from e  # fmt: skip
+        raise ApiError(
+            504,
+            "timeout",
+            (
+                "no outcome in time; an unprocessed command expires and is never applied later. "
+                "Retry with the same Idempotency-Key to learn the outcome safely."
+            ),
+        ) from e
     finally:
         current_app.extensions["logfold.metrics"].observe(name, time.perf_counter() - started)
     response = jsonify(reply.body)
@@ -83,8 +96,12 @@ def _parse_json() -> Any:
 
 def _validate(spec: CommandSpec, body: Any) -> tuple[CommandRequest, dict[str, Any]]:
     if not isinstance(body, dict):
-        raise ApiError(422, "validation_failed", "the body must be a JSON object",
-                       [{"field": "", "problem": "expected an object"}])  # fmt: skip
+        raise ApiError(
+            422,
+            "validation_failed",
+            "the body must be a JSON object",
+            [{"field": "", "problem": "expected an object"}],
+        )
     details: list[dict[str, str]] = []
     req: CommandRequest | None = None
     try:

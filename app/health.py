@@ -24,8 +24,11 @@ class HealthChecks:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
 
     def run(self) -> dict[str, Status]:
-        checks = {"kafka": self.kafka, "postgres": self.postgres,
-                  "command_processing": self.command_processing}  # fmt: skip
+        checks = {
+            "kafka": self.kafka,
+            "postgres": self.postgres,
+            "command_processing": self.command_processing,
+        }
         futures = {name: self._pool.submit(fn) for name, fn in checks.items()}
         deadline = time.monotonic() + self.timeout
         results: dict[str, Status] = {}
@@ -66,8 +69,9 @@ class HealthChecks:
             committed = admin.list_group_offsets({group: None}).get(group, {})
         finally:
             admin.close()
-        consumer = KafkaConsumer(bootstrap_servers=self.settings.kafka(),
-                                 request_timeout_ms=int(self.timeout * 1000))  # fmt: skip
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.settings.kafka(), request_timeout_ms=int(self.timeout * 1000)
+        )
         try:
             tps = [TopicPartition(self.topics.commands, p) for p in range(self.settings.partitions)]
             end = consumer.end_offsets(tps)

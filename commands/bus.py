@@ -39,6 +39,7 @@ class CommandBus:
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._producer: KafkaProducer | None = None
+        self._resume_at: int | None = None
         self._thread = threading.Thread(target=self._read_replies, name="replies", daemon=True)
         self._thread.start()
 
@@ -66,25 +67,16 @@ class CommandBus:
         )
 
     def submit(self, msg: CommandMessage) -> Reply:
-        """Send and wait. Raises Unavailable (nothing written) or ReplyTimeout."""
+        """Send and wait. Raises Unavailable (nothing was or will be written) or ReplyTimeout."""
         if not self._ready.wait(self.settings.kafka_timeout_s):
             raise Unavailable("cannot reach Kafka to receive replies")
         future: Future[Reply] = Future()
         with self._lock:
             self._waiting[msg.command_id] = future
         try:
-            try:
-                self._get_producer().send(
-                    self.topics.commands,
-                    key=msg.aggregate_id.encode(),
-                    value=msg.encode(),
-                    partition=partition_for(msg.aggregate_id, self.settings.partitions),
-                ).get(timeout=self.settings.kafka_timeout_s + 2)
-            except KafkaError as e:
-                raise Unavailable(str(e)) from e
-            # The processor refuses the command after its deadline; wait a little past it so an
-            # outcome decided just in time still reaches the client.
-            remaining = msg.deadline - time.time() + 1.0
+            self._send(msg)
+            # Wait a little past the deadline so an outcome decided just in time still arrives.
+            remaining = msg.deadline + self.settings.clock_skew_s + 1.0 - time.time()
             try:
                 return future.result(timeout=max(remaining, 0.1))
             except TimeoutError as e:
@@ -92,6 +84,25 @@ class CommandBus:
         finally:
             with self._lock:
                 self._waiting.pop(msg.command_id, None)
+
+    def _send(self, msg: CommandMessage) -> None:
+        partition = partition_for(msg.aggregate_id, self.settings.partitions)
+        try:
+            sent = self._get_producer().send(
+                self.topics.commands,
+                key=msg.aggregate_id.encode(),
+                value=msg.encode(),
+                partition=partition,
+            )
+        except KafkaError as e:  # never left this process: certainly not written
+            raise Unavailable(str(e)) from e
+        try:
+            sent.get(timeout=max(msg.deadline - time.time(), 0.1))
+        except KafkaError as e:
+            # The broker may have stored it without acknowledging. Processors refuse a command
+            # after its deadline, so once that has passed "nothing was written" is true.
+            self._stopping.wait(max(msg.deadline + self.settings.clock_skew_s - time.time(), 0))
+            raise Unavailable(str(e)) from e
 
     def _read_replies(self) -> None:
         while not self._stopping.is_set():
@@ -109,11 +120,17 @@ class CommandBus:
                 self.topics.replies, partition_for(self.instance_id, self.settings.partitions)
             )
             consumer.assign([tp])
-            consumer.seek_to_end(tp)
-            consumer.position(tp)  # resolve now: replies to commands sent later come after it
+            if self._resume_at is None:
+                consumer.seek_to_end(tp)
+                # Resolve now: replies to commands sent from here on come after this offset.
+                self._resume_at = consumer.position(tp)
+            else:  # reconnecting: pick up replies that arrived meanwhile
+                consumer.seek(tp, self._resume_at)
             self._ready.set()
             while not self._stopping.is_set():
-                for records in consumer.poll(timeout_ms=200).values():
+                polled = consumer.poll(timeout_ms=200)
+                self._resume_at = consumer.position(tp)
+                for records in polled.values():
                     for r in records:
                         if r.key != self.instance_id.encode():
                             continue

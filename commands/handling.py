@@ -20,8 +20,7 @@ from commands.references import References
 from commands.registry import AGGREGATES, COMMANDS
 from events.serialization import Envelope, envelope_for, from_data, to_data
 
-STATUS = {"not_found": 404, "rule_violated": 409, "version_conflict": 409,
-          "validation_failed": 422}  # fmt: skip
+STATUS = {"not_found": 404, "rule_violated": 409, "version_conflict": 409, "validation_failed": 422}
 
 
 @dataclass
@@ -77,10 +76,13 @@ def handle(
         seen = part.idempotency.get(msg.idempotency_key)
         if seen is not None:
             if seen.fingerprint != msg.fingerprint:
-                return Outcome(422, error_body(
-                    "idempotency_key_reused",
-                    "this Idempotency-Key was used for a different request",
-                ))  # fmt: skip
+                return Outcome(
+                    422,
+                    error_body(
+                        "idempotency_key_reused",
+                        "this Idempotency-Key was used for a different request",
+                    ),
+                )
             return Outcome(seen.status, seen.body, replay=True)
     try:
         return _decide(msg, part, refs, now, new_id)
@@ -101,8 +103,10 @@ def _decide(
     try:
         command = spec.build(spec.schema.model_validate(msg.data))
     except ValidationError as e:
-        details = [{"field": ".".join(map(str, ["data", *err["loc"]])), "problem": err["msg"]}
-                   for err in e.errors()]  # fmt: skip
+        details = [
+            {"field": ".".join(map(str, ["data", *err["loc"]])), "problem": err["msg"]}
+            for err in e.errors()
+        ]
         return Outcome(422, error_body("validation_failed", "the command is invalid", details))
     key = (msg.aggregate_type, msg.aggregate_id)
     current = part.aggregates.get(key)
@@ -110,9 +114,9 @@ def _decide(
     if msg.expected_version is not None and msg.expected_version != version:
         raise version_conflict(msg.expected_version, version)
     if current is None and not spec.creates:
-        return Outcome(404, error_body(
-            "not_found", f"{msg.aggregate_type} {msg.aggregate_id} does not exist"
-        ))  # fmt: skip
+        return Outcome(
+            404, error_body("not_found", f"{msg.aggregate_type} {msg.aggregate_id} does not exist")
+        )
     state = current.state if current else None
     events = spec.aggregate.decide(state, command, refs)
     occurred_at = datetime.fromtimestamp(now(), UTC).isoformat().replace("+00:00", "Z")
@@ -120,23 +124,26 @@ def _decide(
     for event in events:
         version += 1
         state = spec.aggregate.evolve(state, event)
-        envelopes.append(envelope_for(
-            event,
-            event_id=new_id(),
-            aggregate_type=msg.aggregate_type,
-            aggregate_id=msg.aggregate_id,
-            version=version,
-            occurred_at=occurred_at,
-            command_id=msg.command_id,
-            correlation_id=msg.correlation_id,
-            causation_id=msg.command_id,
-        ))  # fmt: skip
+        envelopes.append(
+            envelope_for(
+                event,
+                event_id=new_id(),
+                aggregate_type=msg.aggregate_type,
+                aggregate_id=msg.aggregate_id,
+                version=version,
+                occurred_at=occurred_at,
+                command_id=msg.command_id,
+                correlation_id=msg.correlation_id,
+                causation_id=msg.command_id,
+            )
+        )
     part.aggregates[key] = AggregateRecord(version, state)
     body = {
         "aggregate_type": msg.aggregate_type,
         "aggregate_id": msg.aggregate_id,
         "version": version,
-        "events": [{"event_id": e.event_id, "type": e.type, "version": e.version}
-                   for e in envelopes],  # fmt: skip
+        "events": [
+            {"event_id": e.event_id, "type": e.type, "version": e.version} for e in envelopes
+        ],
     }
     return Outcome(201, body, envelopes)

@@ -10,6 +10,8 @@ what is committed."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -22,7 +24,13 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.structs import OffsetAndMetadata
 
-from commands.handling import AggregateRecord, IdempotencyRecord, PartitionState, handle
+from commands.handling import (
+    AggregateRecord,
+    IdempotencyRecord,
+    Outcome,
+    PartitionState,
+    handle,
+)
 from commands.messages import CommandMessage, Position, Reply
 from events.partitioning import partition_for
 from events.serialization import encode
@@ -31,6 +39,8 @@ from stack.settings import Settings
 from stack.topics import Topics
 
 log = logging.getLogger(__name__)
+
+Decided = tuple[CommandMessage, Outcome, list[Any]]
 
 
 class SnapshotReplica:
@@ -115,61 +125,77 @@ class PartitionOwner:
         log.info("partition %s restored: %s aggregates", self.partition, len(state.aggregates))
         return state
 
-    def process(self, records: list[ConsumerRecord], consumer: KafkaConsumer, refs: References):
-        producer, topics, n = self.producer, self.topics, self.settings.partitions
-        producer.begin_transaction()
+    def process(
+        self, records: list[ConsumerRecord], consumer: KafkaConsumer, refs: References
+    ) -> None:
+        """Decide a batch of commands and commit all its effects in one transaction."""
+        self.producer.begin_transaction()
         try:
-            pending = []
-            touched: set[tuple[str, str]] = set()
-            for record in records:
-                try:
-                    msg = CommandMessage.decode(record.value)
-                except (ValueError, TypeError, KeyError):
-                    log.error("skipping unreadable command at offset %s", record.offset)
-                    continue
-                outcome = handle(msg, self.state, refs, time.time, lambda: str(uuid.uuid4()))
-                futures = [
-                    producer.send(
-                        topics.events(e.aggregate_type),
-                        key=f"{e.aggregate_id}:{e.version}".encode(),
-                        value=encode(e),
-                        partition=self.partition,
-                    )
-                    for e in outcome.events
-                ]
-                if outcome.events:
-                    touched.add((msg.aggregate_type, msg.aggregate_id))
-                pending.append((msg, outcome, futures))
-            if any(f for _, _, f in pending):
-                producer.flush()  # the offsets of this batch's events become their positions
+            decided = [self._decide(r, refs) for r in records]
+            pending = [d for d in decided if d is not None]
+            if any(futures for _, _, futures in pending):
+                self.producer.flush()  # the offsets of this batch's events become positions
             for msg, outcome, futures in pending:
-                if futures:
-                    md = futures[-1].get()
-                    outcome.body["position"] = Position(md.topic, md.partition, md.offset).token()
-                    if msg.idempotency_key is not None:
-                        rec = IdempotencyRecord(msg.fingerprint or "", 201, outcome.body)
-                        self.state.idempotency[msg.idempotency_key] = rec
-                        producer.send(topics.idempotency, key=msg.idempotency_key.encode(),
-                                      value=json.dumps(rec.__dict__).encode(),
-                                      partition=self.partition)  # fmt: skip
-                reply = Reply(msg.command_id, 200 if outcome.replay else outcome.status,
-                              outcome.body, outcome.replay)  # fmt: skip
-                producer.send(topics.replies, key=msg.reply_to.encode(), value=reply.encode(),
-                              partition=partition_for(msg.reply_to, n))  # fmt: skip
-            for agg_type, agg_id in touched:
-                snap = self.state.aggregates[(agg_type, agg_id)].snapshot(agg_type, agg_id)
-                producer.send(topics.snapshots, key=f"{agg_type}:{agg_id}".encode(),
-                              value=json.dumps(snap).encode(), partition=self.partition)  # fmt: skip
-            tp = TopicPartition(topics.commands, self.partition)
+                self._reply(msg, outcome, futures)
+            self._snapshot({(m.aggregate_type, m.aggregate_id) for m, o, _ in pending if o.events})
+            tp = TopicPartition(self.topics.commands, self.partition)
             offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
-            producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
-            producer.commit_transaction()
+            self.producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
+            self.producer.commit_transaction()
         except BaseException:
-            try:
-                producer.abort_transaction()
-            except Exception:  # fenced or broken: the caller restarts from committed state
-                pass
+            # Fenced or broken: the caller throws this state away and restarts from Kafka.
+            with contextlib.suppress(Exception):
+                self.producer.abort_transaction()
             raise
+
+    def _decide(self, record: ConsumerRecord, refs: References) -> Decided | None:
+        try:
+            msg = CommandMessage.decode(record.value)
+        except (ValueError, TypeError, KeyError):
+            log.error("skipping unreadable command at offset %s", record.offset)
+            return None
+        outcome = handle(msg, self.state, refs, time.time, lambda: str(uuid.uuid4()))
+        futures = [
+            self.producer.send(
+                self.topics.events(e.aggregate_type),
+                key=f"{e.aggregate_id}:{e.version}".encode(),
+                value=encode(e),
+                partition=self.partition,
+            )
+            for e in outcome.events
+        ]
+        return msg, outcome, futures
+
+    def _reply(self, msg: CommandMessage, outcome: Outcome, futures: list[Any]) -> None:
+        if futures:
+            md = futures[-1].get()
+            outcome.body["position"] = Position(md.topic, md.partition, md.offset).token()
+            if msg.idempotency_key is not None:
+                record = IdempotencyRecord(msg.fingerprint or "", 201, outcome.body)
+                self.state.idempotency[msg.idempotency_key] = record
+                self.producer.send(
+                    self.topics.idempotency,
+                    key=msg.idempotency_key.encode(),
+                    value=json.dumps(dataclasses.asdict(record)).encode(),
+                    partition=self.partition,
+                )
+        status = 200 if outcome.replay else outcome.status
+        self.producer.send(
+            self.topics.replies,
+            key=msg.reply_to.encode(),
+            value=Reply(msg.command_id, status, outcome.body, outcome.replay).encode(),
+            partition=partition_for(msg.reply_to, self.settings.partitions),
+        )
+
+    def _snapshot(self, touched: set[tuple[str, str]]) -> None:
+        for agg_type, agg_id in touched:
+            snap = self.state.aggregates[(agg_type, agg_id)].snapshot(agg_type, agg_id)
+            self.producer.send(
+                self.topics.snapshots,
+                key=f"{agg_type}:{agg_id}".encode(),
+                value=json.dumps(snap).encode(),
+                partition=self.partition,
+            )
 
     def close(self) -> None:
         self.producer.close(timeout=5)

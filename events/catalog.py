@@ -1,4 +1,6 @@
-"""Every event type, by name. Adding an event = a dataclass in its aggregate's module + a line here."""
+"""Every event type, by name.
+
+Adding an event = a dataclass in its aggregate's module + a line here."""
 
 from __future__ import annotations
 

@@ -9,4 +9,4 @@ from kafka.partitioner.default import murmur2
 
 def partition_for(aggregate_id: str, partitions: int) -> int:
     """The Java client's default partitioner applied to the aggregate id alone."""
-    return (murmur2(aggregate_id.encode()) & 0x7FFFFFFF) % partitions
+    return int(murmur2(aggregate_id.encode()) & 0x7FFFFFFF) % partitions

@@ -14,15 +14,19 @@ if not config.get_main_option("sqlalchemy.url"):
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=metadata,
-                      literal_binds=True)  # fmt: skip
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"), target_metadata=metadata, literal_binds=True
+    )
     with context.begin_transaction():
         context.run_migrations()
 
 
 def run_migrations_online() -> None:
-    engine = engine_from_config(config.get_section(config.config_ini_section, {}),
-                                prefix="sqlalchemy.", poolclass=pool.NullPool)  # fmt: skip
+    engine = engine_from_config(
+        config.get_section(config.config_ini_section, {}),
+        prefix="sqlalchemy.",
+        poolclass=pool.NullPool,
+    )
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=metadata)
         with context.begin_transaction():

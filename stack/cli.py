@@ -115,9 +115,13 @@ def topics(create: bool) -> None:
 
 
 @main.command()
-@click.option("--scope", "scopes", multiple=True,
-              type=click.Choice(["commands:write", "views:read", "admin"]),
-              help="Scope to grant (repeatable); all scopes by default.")  # fmt: skip
+@click.option(
+    "--scope",
+    "scopes",
+    multiple=True,
+    type=click.Choice(["commands:write", "views:read", "admin"]),
+    help="Scope to grant (repeatable); all scopes by default.",
+)
 @click.option("--subject", default="developer", show_default=True, help="The token's subject.")
 @click.option("--ttl", default=86400, show_default=True, help="Lifetime in seconds.")
 def token(scopes: tuple[str, ...], subject: str, ttl: int) -> None:

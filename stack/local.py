@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -38,9 +39,9 @@ def secret_for(settings: Settings) -> str:
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, say: object = print) -> None:
+    def __init__(self, settings: Settings, say: Callable[[str], object] = print) -> None:
         self.settings = settings
-        self.say = say  # type: ignore[assignment]
+        self.say = say
         self.kafka: LocalKafka | None = None
         self.postgres: LocalPostgres | None = None
         self.children: list[subprocess.Popen[bytes]] = []
@@ -77,13 +78,15 @@ class LocalStack:
     def env(self) -> dict[str, str]:
         s = self.settings
         env = dict(os.environ)
-        env.update({
-            "KAFKA_BOOTSTRAP_SERVERS": s.kafka(),
-            "DATABASE_URL": s.database(),
-            "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
-            "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
-            "LOGFOLD_PARTITIONS": str(s.partitions),
-        })  # fmt: skip
+        env.update(
+            {
+                "KAFKA_BOOTSTRAP_SERVERS": s.kafka(),
+                "DATABASE_URL": s.database(),
+                "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
+                "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
+                "LOGFOLD_PARTITIONS": str(s.partitions),
+            }
+        )
         return env
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -121,26 +124,30 @@ def run(settings: Settings) -> None:
         stack.start_processes()
         base = f"http://{settings.api_host}:{settings.api_port}"
         token = issue_token(settings.jwt_secret or "")
-        print(f"""
+        print(
+            f"""
 Logfold is running.
   API        {base}   (docs: {base}/docs, contract: {base}/openapi.json)
   health     {base}/health
   Kafka      {settings.kafka()}
   Postgres   {settings.database()}
 
-Development token (all scopes, valid 24 h):
-  {token}
+Development token (all scopes, valid 24 h; `logfold token` prints another):
+  export TOKEN={token}
 
 Try:
-  curl -X POST {base}/commands/register-customer -H 'Content-Type: application/json' \\
-       -H "Authorization: Bearer $TOKEN" -d '{{"data": {{"name": "Ada", "email": "ada@example.com"}}}}'
+  curl -X POST {base}/commands/register-customer \\
+       -H 'Content-Type: application/json' -H "Authorization: Bearer $TOKEN" \\
+       -d '{{"data": {{"name": "Ada", "email": "ada@example.com"}}}}'
 
 Ctrl-C stops everything; data stays in {settings.data_path} (`logfold reset` wipes it).
-""", flush=True)  # fmt: skip
+""",
+            flush=True,
+        )
         while not stopped.wait(0.5):
             for child in stack.children:
                 if child.poll() is not None:
-                    raise RuntimeError(f"{child.args} exited with {child.returncode}")
+                    raise RuntimeError(f"{child.args!r} exited with {child.returncode}")
     except KeyboardInterrupt:
         pass
     finally:

@@ -27,8 +27,17 @@ def ensure_jars(lib_dir: Path) -> Path:
         shutil.rmtree(target)
     target.mkdir(parents=True)
     subprocess.run(
-        ["mvn", "-q", "-B", "-Dstyle.color=never", "-f", str(POM), "dependency:copy-dependencies",
-         "-DincludeScope=runtime", f"-DoutputDirectory={target}"],
+        [
+            "mvn",
+            "-q",
+            "-B",
+            "-Dstyle.color=never",
+            "-f",
+            str(POM),
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={target}",
+        ],
         check=True,
     )
     stamp.write_text(pom_text)
@@ -51,10 +60,16 @@ class LocalKafka:
 
     def _java(self, *args: str, heap: str = "256m") -> list[str]:
         return [
-            "java", f"-Xmx{heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
-            f"-Dlog4j2.configurationFile={LOG4J}", f"-Dkafka.logs.dir={self.data_dir / 'logs'}",
-            "-cp", f"{self.jars}/*", *args,
-        ]  # fmt: skip
+            "java",
+            f"-Xmx{heap}",
+            "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={LOG4J}",
+            f"-Dkafka.logs.dir={self.data_dir / 'logs'}",
+            "-cp",
+            f"{self.jars}/*",
+            *args,
+        ]
 
     def _write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -94,10 +109,18 @@ class LocalKafka:
         conf = self._write_config()
         if not (self.data_dir / "log" / "meta.properties").exists():
             subprocess.run(
-                self._java("kafka.tools.StorageTool", "format", "-t", _new_cluster_id(),
-                           "-c", str(conf), "--ignore-formatted"),
-                check=True, stdout=subprocess.DEVNULL,
-            )  # fmt: skip
+                self._java(
+                    "kafka.tools.StorageTool",
+                    "format",
+                    "-t",
+                    _new_cluster_id(),
+                    "-c",
+                    str(conf),
+                    "--ignore-formatted",
+                ),
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         log = (self.data_dir / "broker.out").open("ab")
         self.proc = subprocess.Popen(
             self._java("kafka.Kafka", str(conf), heap="512m"),

@@ -74,10 +74,22 @@ class LocalPostgres:
         if not (pgdata / "PG_VERSION").exists():
             self._prepare_dir()
             subprocess.run(
-                [str(self.bindir / "initdb"), "-D", str(pgdata), "-U", "logfold",
-                 "-A", "trust", "-E", "UTF8", "--locale=C.UTF-8"],
-                check=True, stdout=subprocess.DEVNULL, **self._as_owner(),
-            )  # fmt: skip
+                [
+                    str(self.bindir / "initdb"),
+                    "-D",
+                    str(pgdata),
+                    "-U",
+                    "logfold",
+                    "-A",
+                    "trust",
+                    "-E",
+                    "UTF8",
+                    "--locale=C.UTF-8",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                **self._as_owner(),
+            )
         args = [str(self.bindir / "postgres"), "-D", str(pgdata), "-p", str(self.port)]
         for key, value in SERVER_CONF.items():
             args += ["-c", f"{key}={value}"]

@@ -29,3 +29,5 @@ def configure(level: str = "INFO") -> None:
     root.setLevel(level.upper())
     # kafka-python is chatty at INFO about every connection.
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("kafka.coordinator.consumer").setLevel(logging.ERROR)
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)

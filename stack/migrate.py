@@ -13,7 +13,7 @@ import migrations
 def sqlalchemy_url(database_url: str) -> str:
     for prefix in ("postgresql://", "postgres://"):
         if database_url.startswith(prefix):
-            return "postgresql+psycopg://" + database_url[len(prefix):]
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
     return database_url
 
 

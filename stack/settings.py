@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     jwt_secret: str | None = None
     command_timeout_s: float = Field(default=10.0, gt=0)
     kafka_timeout_s: float = Field(default=5.0, gt=0)
+    clock_skew_s: float = Field(default=1.0, ge=0)
     max_body_bytes: int = 64 * 1024
     retry_after_s: int = 5
     log_level: str = "INFO"

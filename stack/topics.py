@@ -160,7 +160,8 @@ def check_topics(settings: Settings) -> None:
                         )
         if problems:
             raise TopicMisconfigured(
-                "Kafka topics are not configured as Logfold requires:\n  - " + "\n  - ".join(problems)
+                "Kafka topics are not configured as Logfold requires:\n  - "
+                + "\n  - ".join(problems)
             )
     finally:
         admin.close()

@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make run` and `make test`. Both set up what they need.
+.PHONY: bootstrap run test test-unit lint bench help
+
+help:
+	@echo "make run        run the whole stack locally (Kafka, Postgres, processors, API on :8000)"
+	@echo "make test       run every test (unit, integration, e2e) against real Kafka/Postgres"
+	@echo "make test-unit  only the fast unit tests"
+	@echo "make lint       ruff + mypy"
+	@echo "make bench      benchmarks (results go to docs/benchmarks.md by hand)"
+
+bootstrap:
+	@bash scripts/bootstrap.sh
+
+run: bootstrap
+	.venv/bin/logfold run
+
+test: bootstrap lint
+	.venv/bin/pytest
+
+test-unit: bootstrap
+	.venv/bin/pytest tests/unit
+
+lint: bootstrap
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+bench: bootstrap
+	.venv/bin/python bench/commands.py

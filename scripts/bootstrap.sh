@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs everything Logfold needs on a fresh Debian machine, idempotently:
+# Java + Maven + Postgres server binaries (apt, when missing), a virtualenv with the Python
+# packages (re-installed when pyproject.toml changes), and the Kafka broker jars (Maven).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EXTRAS="${LOGFOLD_EXTRAS:-dev}"
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+apt_install() {
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null; then sudo="sudo"; else
+      echo "error: need root (or sudo) to apt-get install $*" >&2; exit 1
+    fi
+  fi
+  say "installing $* (apt)"
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+missing=()
+command -v java >/dev/null || missing+=(default-jdk-headless)
+command -v mvn >/dev/null || missing+=(maven)
+ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing+=(postgresql)
+command -v python3 >/dev/null || missing+=(python3 python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
+
+stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}"
+if [ ! -f "$stamp" ]; then
+  say "creating the virtualenv (.venv) with the [$EXTRAS] extras"
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  .venv/bin/pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi
+
+say "fetching the Kafka broker jars (Maven Central, cached in .stack/lib)"
+.venv/bin/python -c "from pathlib import Path; from stack.local_kafka import ensure_jars; ensure_jars(Path('.stack/lib'))"
+say "ready"

@@ -1,0 +1,138 @@
+"""Shared by integration and e2e tests: tokens, API clients, reading the log, child processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from app.auth import SCOPES, issue_token
+from events.serialization import Envelope
+from events.store import read_events
+from stack.procs import free_port, stop_process, wait_until
+from stack.settings import Settings
+from stack.topics import Topics, create_topics
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "test-secret-not-for-production-use-0123456789"
+
+
+def token(*scopes: str, subject: str = "tester", ttl: int = 3600) -> str:
+    return issue_token(SECRET, subject, scopes or SCOPES, ttl)
+
+
+def new_deployment(base: Settings, **overrides: Any) -> Settings:
+    """Settings for a fresh, isolated deployment (its own topic prefix) on the shared broker."""
+    settings = base.model_copy(update={"topic_prefix": f"t{uuid.uuid4().hex[:10]}.", **overrides})
+    create_topics(settings)
+    return settings
+
+
+def log_of(settings: Settings, aggregate_type: str) -> list[Envelope]:
+    return read_events(settings.kafka(), Topics(settings.topic_prefix).events(aggregate_type))
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+
+class HttpApi:
+    """A client of a running API process."""
+
+    def __init__(self, base_url: str, bearer: str | None = None) -> None:
+        self.base_url = base_url
+        self.session = requests.Session()
+        self.bearer = bearer if bearer is not None else token()
+
+    def command(
+        self,
+        name: str,
+        data: dict[str, Any],
+        aggregate_id: str | None = None,
+        expected_version: int | None = None,
+        key: str | None = None,
+        timeout: float = 30,
+    ) -> Answer:
+        body: dict[str, Any] = {"data": data}
+        if aggregate_id is not None:
+            body["aggregate_id"] = aggregate_id
+        if expected_version is not None:
+            body["expected_version"] = expected_version
+        headers = {"Authorization": f"Bearer {self.bearer}"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        r = self.session.post(
+            f"{self.base_url}/commands/{name}", json=body, headers=headers, timeout=timeout
+        )
+        return Answer(r.status_code, r.json(), dict(r.headers))
+
+    def get(self, path: str, **kwargs: Any) -> requests.Response:
+        return self.session.get(f"{self.base_url}{path}", timeout=30, **kwargs)
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOGFOLD_")}
+    env.update(
+        {
+            "KAFKA_BOOTSTRAP_SERVERS": settings.kafka(),
+            "DATABASE_URL": settings.database(),
+            "LOGFOLD_JWT_SECRET": SECRET,
+            "LOGFOLD_TOPIC_PREFIX": settings.topic_prefix,
+            "LOGFOLD_PARTITIONS": str(settings.partitions),
+            "LOGFOLD_COMMAND_TIMEOUT_S": str(settings.command_timeout_s),
+            "LOGFOLD_LOG_LEVEL": "WARNING",
+        }
+    )
+    return env
+
+
+class Processes:
+    """API and processor processes of one deployment, started with the real CLI."""
+
+    def __init__(self, settings: Settings, logdir: Path) -> None:
+        self.settings, self.logdir = settings, logdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = (self.logdir / f"{name}-{len(self.procs)}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stack.cli", *args],
+            cwd=REPO,
+            env=child_env(self.settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def processor(self) -> subprocess.Popen[bytes]:
+        return self._spawn("processor", "processor")
+
+    def api(self) -> tuple[subprocess.Popen[bytes], str]:
+        port = free_port()
+        proc = self._spawn("api", "api", "--port", str(port))
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: requests.get(f"{url}/openapi.json", timeout=2).ok, 60, f"API at {url}")
+        return proc, url
+
+    def wait_processing(self, api_url: str, processors: int, timeout: float = 60) -> None:
+        """Until /health shows `processors` members in the processors' group."""
+
+        def ready() -> bool:
+            h = requests.get(f"{api_url}/health", timeout=5).json()
+            return int(h["components"]["command_processing"].get("processors", 0)) >= processors
+
+        wait_until(ready, timeout, f"{processors} command processors")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            stop_process(proc)
