@@ -1,0 +1,87 @@
+"""Kafka down: the API answers 503 with Retry-After in bounded time, writes nothing, and
+recovers by itself when the broker returns. Uses a broker of its own, since it kills it."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+
+from app import create_app
+from app.commands_api import IDEMPOTENCY_NAMESPACE
+from commands.processor import CommandProcessor
+from stack.local_kafka import LocalKafka
+from stack.procs import free_port, wait_until
+from stack.settings import Settings
+from stack.topics import create_topics
+from tests.support import REPO, log_of, token
+
+AUTH = {"Authorization": f"Bearer {token(subject='outage')}"}
+
+
+@pytest.fixture
+def own_broker(workdir: Path) -> Iterator[LocalKafka]:
+    broker = LocalKafka(REPO / ".stack" / "lib", workdir / "kafka-outage", free_port(), free_port())
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+def register(client: FlaskClient, name: str, **extra: Any) -> Any:
+    body = {"data": {"name": name, "email": f"{name}@example.com"}, **extra.pop("body", {})}
+    return client.post("/commands/register-customer", json=body, headers={**AUTH, **extra})
+
+
+def test_kafka_down_gives_503_writes_nothing_and_recovers(
+    own_broker: LocalKafka, base_settings: Settings
+) -> None:
+    settings = base_settings.model_copy(
+        update={
+            "kafka_bootstrap_servers": own_broker.bootstrap,
+            "kafka_timeout_s": 2.0,
+            "command_timeout_s": 4.0,
+        }
+    )
+    create_topics(settings)
+    processor = CommandProcessor(settings)
+    thread = threading.Thread(target=processor.run, daemon=True)
+    thread.start()
+    app = create_app(settings)
+    client = app.test_client()
+    try:
+        assert register(client, "before").status_code == 201
+
+        own_broker.proc.kill()  # type: ignore[union-attr]
+        own_broker.proc.wait()  # type: ignore[union-attr]
+        key = f"outage-{uuid.uuid4()}"
+        r = register(client, "during", **{"Idempotency-Key": key})
+        assert r.status_code == 503, r.json
+        assert r.json["error"]["code"] == "unavailable"
+        assert int(r.headers["Retry-After"]) > 0
+
+        own_broker.start()
+        answers: list[int] = []
+
+        def accepted() -> bool:
+            answers.append(register(client, "after").status_code)
+            return answers[-1] == 201
+
+        wait_until(accepted, 120, "the API to accept commands again", interval=0.5)
+        assert set(answers) <= {201, 503, 504}, answers
+
+        # Had the 503'd command been written, it would hold this aggregate id (derived from its
+        # key) and be decided before any later command on the same partition.
+        derived = str(uuid.uuid5(IDEMPOTENCY_NAMESPACE, f"outage|register-customer|{key}"))
+        again = register(client, "during", body={"aggregate_id": derived})
+        assert again.status_code == 201 and again.json["version"] == 1, again.json
+        names = [e.data["name"] for e in log_of(settings, "customer")]
+        assert names.count("during") == 1 and names.count("before") == 1
+    finally:
+        processor.stop()
+        thread.join(timeout=30)
+        app.extensions["logfold.bus"].close()
