@@ -32,12 +32,17 @@ def run(processors: int | None) -> None:
     KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL point at existing ones. Ctrl-C stops everything.
     """
     from stack import local, logs
+    from stack.topics import TopicMisconfigured
 
     settings = _settings()
     logs.configure(settings.log_level)
     if processors is not None:
         settings.processors = processors
-    local.run(settings)
+    try:
+        local.run(settings)
+    except (RuntimeError, TimeoutError, TopicMisconfigured) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
 
 
 @main.command()

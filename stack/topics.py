@@ -116,6 +116,9 @@ def create_topics(settings: Settings) -> list[str]:
                 created.append(spec.name)
             except TopicAlreadyExistsError:
                 pass
+        if missing:
+            # Leaders are elected asynchronously; users of the topics need them ready.
+            admin.wait_for_topics([s.name for s in missing], timeout_ms=30000)
         return created
     finally:
         admin.close()

@@ -1,0 +1,168 @@
+"""The README's path, end to end: `logfold run` on local defaults, the README's curl examples,
+Ctrl-C, a restart that keeps the data, and `logfold reset`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from stack.procs import free_port, port_open, wait_until
+from tests.support import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (the local broker's controller listens on p + 1)."""
+    for _ in range(50):
+        port = free_port()
+        if port < 65535 and not port_open(port + 1):
+            return port
+    raise RuntimeError("no free port pair")
+
+
+class RunningStack:
+    def __init__(self, data_dir: Path) -> None:
+        self.kafka_port, self.pg_port, self.api_port = free_port_pair(), free_port(), free_port()
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("LOGFOLD_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL")
+        }
+        self.env.update(
+            {
+                "LOGFOLD_HOME": str(REPO / ".stack"),
+                "LOGFOLD_DATA_DIR": str(data_dir),
+                "LOGFOLD_KAFKA_PORT": str(self.kafka_port),
+                "LOGFOLD_POSTGRES_PORT": str(self.pg_port),
+                "LOGFOLD_API_PORT": str(self.api_port),
+                "LOGFOLD_LOG_LEVEL": "WARNING",
+            }
+        )
+        self.base = f"http://127.0.0.1:{self.api_port}"
+        self.output: list[str] = []
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> str:
+        self.output = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stack.cli", "run"],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        threading.Thread(target=self._collect, daemon=True).start()
+        try:
+            wait_until(
+                lambda: any("export TOKEN=" in line for line in self.output),
+                180,
+                "`logfold run` to print its token",
+            )
+        except TimeoutError as e:
+            raise AssertionError("".join(self.output[-40:])) from e
+        line = next(line for line in self.output if "export TOKEN=" in line)
+        return line.split("export TOKEN=", 1)[1].strip()
+
+    def _collect(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    def interrupt(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout=90)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "data"
+    tmp_path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def stack(data_dir: Path) -> Iterator[RunningStack]:
+    running = RunningStack(data_dir)
+    yield running
+    running.kill()
+
+
+def readme_curl_block() -> str:
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    return next(b for b in blocks if "curl" in b and "register-customer" in b)
+
+
+def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
+    stack: RunningStack, data_dir: Path
+) -> None:
+    token = stack.start()
+    script = readme_curl_block().replace("http://127.0.0.1:8000", stack.base)
+    out = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        env={**os.environ, "TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert '"type":"CustomerRegistered"' in out.stdout
+    assert '"type":"BookRepriced","version":2' in out.stdout
+    assert '"status":"up"' in out.stdout
+
+    assert stack.interrupt() == 0, "".join(stack.output[-30:])
+    assert not port_open(stack.kafka_port) and not port_open(stack.pg_port)
+    assert not port_open(stack.api_port)
+
+    token = stack.start()
+    r = requests.post(
+        f"{stack.base}/commands/reprice-book",
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}"},
+        json={"aggregate_id": "dune", "expected_version": 2, "data": {"price_cents": 999}},
+    )
+    assert r.status_code == 201 and r.json()["version"] == 3, r.text
+    assert stack.interrupt() == 0
+
+    reset = subprocess.run(
+        [sys.executable, "-m", "stack.cli", "reset", "--yes"],
+        cwd=REPO,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert reset.returncode == 0, reset.stderr
+    assert not data_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["run"], ["api"], ["processor"], ["migrate"], ["topics"], ["token"], ["reset"]]
+)
+def test_every_command_has_help(args: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "stack.cli", *args, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Usage: " in out.stdout and len(out.stdout.splitlines()) > 3
