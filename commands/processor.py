@@ -104,6 +104,9 @@ class PartitionOwner:
             enable_idempotence=True,
             linger_ms=1,
             transaction_timeout_ms=30000,
+            # A new transaction waits for the previous one's markers; the 100 ms default backoff
+            # caps a partition at ~10 transactions/s (measured: see docs/benchmarks.md).
+            retry_backoff_ms=10,
             max_block_ms=int(settings.kafka_timeout_s * 1000),
         )
         # Fences any previous owner of this partition and aborts its open transaction.

@@ -274,7 +274,7 @@ def test_a_retry_queued_behind_its_original_gets_the_original_answer(
         summary = [(cmd.name, a.status, a.replay, a.body) for (cmd, _), a in answered]
         for cmd in pairs:
             got = sorted((a.status, a.replay) for (c, _), a in answered if c is cmd)
-            assert got == [(200, True), (201, False)], summary
+            assert got == [(200, True), (201, False)], "\n".join(map(str, summary))
         books = [e for e in log_of(settings, "book") if e.aggregate_id == book]
         assert [e.version for e in books] == [1, 2], f"the retry wrote again: {books}"
     finally:

@@ -1,0 +1,111 @@
+"""Deciding one command against a partition's state (commands.handling), without Kafka."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from commands.handling import PartitionState, handle
+from commands.messages import CommandMessage, Position
+from commands.references import NoReferences
+
+NOW = 1_800_000_000.0
+
+
+def msg(name: str, aggregate_type: str, data: dict[str, Any], **kw: Any) -> CommandMessage:
+    fields: dict[str, Any] = {
+        "command_id": "cmd-1",
+        "name": name,
+        "aggregate_type": aggregate_type,
+        "aggregate_id": "a1",
+        "expected_version": None,
+        "data": data,
+        "reply_to": "api-1",
+        "deadline": NOW + 10,
+        "correlation_id": "corr",
+        "subject": "s",
+    }
+    fields.update(kw)
+    return CommandMessage(**fields)
+
+
+def run(m: CommandMessage, part: PartitionState) -> Any:
+    ids = iter(f"e{i}" for i in range(100))
+    return handle(m, part, NoReferences(), lambda: NOW, lambda: next(ids))
+
+
+REGISTER = {"name": "Ada", "email": "ada@example.com"}
+
+
+def test_accepted_command_gets_versions_envelopes_and_updates_state() -> None:
+    part = PartitionState()
+    out = run(msg("register-customer", "customer", REGISTER), part)
+    assert out.status == 201
+    assert out.body["version"] == 1 and out.body["events"][0]["type"] == "CustomerRegistered"
+    [env] = out.events
+    assert (env.aggregate_id, env.version, env.event_id, env.causation_id) == (
+        "a1",
+        1,
+        "e0",
+        "cmd-1",
+    )
+    assert env.occurred_at == "2027-01-15T08:00:00Z"
+    assert part.aggregates[("customer", "a1")].version == 1
+    out = run(msg("rename-customer", "customer", {"name": "Ada L"}), part)
+    assert out.body["version"] == 2 and part.aggregates[("customer", "a1")].state.name == "Ada L"
+
+
+def test_expired_command_is_refused_without_events() -> None:
+    part = PartitionState()
+    out = run(msg("register-customer", "customer", REGISTER, deadline=NOW - 1), part)
+    assert (out.status, out.body["error"]["code"], out.events) == (504, "timeout", [])
+    assert part.aggregates == {}
+
+
+def test_version_conflict_and_not_found_leave_state_alone() -> None:
+    part = PartitionState()
+    out = run(msg("rename-customer", "customer", {"name": "X"}), part)
+    assert (out.status, out.body["error"]["code"]) == (404, "not_found")
+    run(msg("register-customer", "customer", REGISTER), part)
+    out = run(msg("rename-customer", "customer", {"name": "X"}, expected_version=5), part)
+    assert (out.status, out.body["error"]["code"]) == (409, "version_conflict")
+    assert out.body["error"]["details"] == [{"expected_version": 5, "actual_version": 1}]
+    assert part.aggregates[("customer", "a1")].version == 1
+
+
+def test_processor_revalidates_data_it_did_not_validate_itself() -> None:
+    out = run(msg("register-customer", "customer", {"name": "", "email": "nope"}), PartitionState())
+    assert out.status == 422
+    assert {d["field"] for d in out.body["error"]["details"]} == {"data.name", "data.email"}
+
+
+def test_command_name_must_match_the_aggregate_type() -> None:
+    out = run(msg("register-customer", "book", REGISTER), PartitionState())
+    assert out.status == 404
+
+
+def test_idempotency_replays_same_request_and_refuses_a_different_one() -> None:
+    from commands.handling import IdempotencyRecord
+
+    part = PartitionState()
+    part.idempotency["k"] = IdempotencyRecord("fp-1", 201, {"version": 1})
+    same = run(
+        msg("register-customer", "customer", REGISTER, idempotency_key="k", fingerprint="fp-1"),
+        part,
+    )
+    assert (same.status, same.body, same.replay, same.events) == (201, {"version": 1}, True, [])
+    other = run(
+        msg("register-customer", "customer", REGISTER, idempotency_key="k", fingerprint="fp-2"),
+        part,
+    )
+    assert (other.status, other.body["error"]["code"]) == (422, "idempotency_key_reused")
+
+
+def test_position_tokens_round_trip_and_reject_garbage() -> None:
+    p = Position("events.order", 3, 12345)
+    assert Position.parse(p.token()) == p
+    for bad in ["", "!!!", "WyJhIl0", p.token()[:-3]]:
+        try:
+            Position.parse(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
