@@ -57,10 +57,12 @@ def post_command(name: str) -> Response:
         ),
         fingerprint=fingerprint,
     )
+    metrics = current_app.extensions["logfold.metrics"]
     started = time.perf_counter()
     try:
         reply = bus.submit(msg)
     except Unavailable as e:
+        metrics.count(name, 503)
         retry = str(current_app.config["RETRY_AFTER_S"])
         raise ApiError(
             503,
@@ -69,6 +71,7 @@ def post_command(name: str) -> Response:
             headers={"Retry-After": retry},
         ) from e
     except ReplyTimeout as e:
+        metrics.count(name, 504)
         raise ApiError(
             504,
             "timeout",
@@ -78,19 +81,19 @@ def post_command(name: str) -> Response:
             ),
         ) from e
     finally:
-        current_app.extensions["logfold.metrics"].observe(name, time.perf_counter() - started)
+        metrics.observe(name, time.perf_counter() - started)
     response = jsonify(reply.body)
     response.status_code = reply.status
     if reply.replay:
         response.headers["Idempotent-Replay"] = "true"
-    current_app.extensions["logfold.metrics"].count(name, reply.status)
+    metrics.count(name, reply.status)
     return response
 
 
 def _parse_json() -> Any:
     try:
         return json.loads(request.get_data(cache=False))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}") from e
 
 

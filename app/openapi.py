@@ -79,10 +79,13 @@ def build_spec() -> dict[str, Any]:
     }
     paths: dict[str, Any] = {}
     for spec in COMMANDS.values():
-        body = {
+        body: dict[str, Any] = {
             "allOf": [_ref(CommandRequest)],
             "properties": {"data": _ref(spec.schema)},
         }
+        if not spec.creates:  # the API answers 422 without it
+            body["properties"]["aggregate_id"] = {"type": "string"}
+            body["required"] = ["aggregate_id"]
         paths[f"/commands/{spec.name}"] = {
             "post": {
                 "summary": spec.summary,

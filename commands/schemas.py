@@ -10,7 +10,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, EmailStr, Field
 
-Name = Annotated[str, Field(min_length=1, max_length=200)]
+NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"  # Postgres text cannot hold NUL; names are one line
+Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)]
 Id = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
 Cents = Annotated[int, Field(gt=0, le=10**9)]
 Amount = Annotated[int, Field(gt=0, le=10**15)]
@@ -34,7 +35,7 @@ class ChangeCustomerEmailData(Payload):
 
 
 class AddBookData(Payload):
-    title: Annotated[str, Field(min_length=1, max_length=300)]
+    title: Annotated[str, Field(min_length=1, max_length=300, pattern=NO_CONTROL_CHARS)]
     author: Name
     price_cents: Cents
     royalty_rate: Annotated[float, Field(ge=0, le=0.5, allow_inf_nan=False)]
@@ -63,7 +64,7 @@ class ShipOrderData(Payload):
 
 
 class CancelOrderData(Payload):
-    reason: Annotated[str, Field(min_length=1, max_length=500)]
+    reason: Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[^\x00]*$")]
 
 
 class CommandRequest(BaseModel):

@@ -97,16 +97,23 @@ def send(api: HttpApi, cmd: Logical, timeout: float = 40) -> Attempt:
 
 
 def until_answered(
-    clients: Clients, cmd: Logical, first: int, give_up_at: float, into: list[Attempt]
+    clients: Clients,
+    cmd: Logical,
+    first: int,
+    give_up_at: float,
+    into: list[Attempt],
+    abandon: threading.Event | None = None,
 ) -> Attempt:
-    """Send `cmd` (same key, same body) until a definitive answer or `give_up_at` (monotonic);
-    each retry goes to the next API process. Returns the last attempt."""
+    """Send `cmd` (same key, same body) until a definitive answer, `give_up_at` (monotonic) or
+    `abandon`; each retry goes to the next API process. Returns the last attempt."""
     i, backoff = first, 0.05
     while True:
         url = clients.urls[i % len(clients.urls)]
         attempt = send(clients.api(url), cmd)
         into.append(attempt)
         if attempt.status not in RETRYABLE or time.monotonic() > give_up_at:
+            return attempt
+        if abandon is not None and abandon.is_set():
             return attempt
         i += 1
         time.sleep(backoff)  # retry pacing, not synchronization

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from tests.integration.load import (
     until_answered,
     version_problems,
 )
-from tests.support import Processes, log_of, new_deployment
+from tests.support import HttpApi, Processes, log_of, new_deployment
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -66,16 +68,19 @@ class Registrations:
             for i in range(COUNT)
         ]
         self.progress = Progress()
+        self.abandon = threading.Event()  # set when the test ends early: no more retries
         self.give_up_at = time.monotonic() + GIVE_UP_S
         self.load = Background(self._work, self.cmds, THREADS)
 
     def _work(self, cmd: Logical) -> None:
-        until_answered(self.clients, cmd, cmd.index, self.give_up_at, cmd.attempts)
+        if self.abandon.is_set():
+            return
+        until_answered(self.clients, cmd, cmd.index, self.give_up_at, cmd.attempts, self.abandon)
         self.progress.tick()
         if cmd.index % REPLAY_EVERY == 0 and cmd.committed:
             replay: list[Attempt] = []
             cmd.replays.append(replay)
-            until_answered(self.clients, cmd, cmd.index + 1, self.give_up_at, replay)
+            until_answered(self.clients, cmd, cmd.index + 1, self.give_up_at, replay, self.abandon)
 
     def replay_sample(self, urls: list[str]) -> None:
         """Send SAMPLE answered keys again, after the load, to the given API processes."""
@@ -180,11 +185,11 @@ def sigkill(proc: subprocess.Popen[bytes]) -> list[int]:
 def test_sigkill_of_a_command_processor_mid_load_loses_nothing_and_doubles_nothing(
     base_settings: Settings, tmp_path: Path
 ) -> None:
-    procs = None
+    procs, run = None, None
     try:
         settings, procs, urls = start(base_settings, tmp_path)
         victim = procs.procs[0]
-        run = Registrations(Clients(urls), settings.topic_prefix.strip("."))
+        run = Registrations(Clients(urls), settings.topic_prefix.strip("."))  # starts the load
         run.progress.wait_for(KILL_AFTER, timeout=90)
         sigkill(victim)
         killed = time.monotonic()
@@ -203,6 +208,8 @@ def test_sigkill_of_a_command_processor_mid_load_loses_nothing_and_doubles_nothi
         check(settings, run, tmp_path)
         assert retried_after_kill, "the kill did not hit a single command: nothing was tested"
     finally:
+        if run is not None:
+            run.abandon.set()
         if procs is not None:
             procs.stop()
 
@@ -210,11 +217,11 @@ def test_sigkill_of_a_command_processor_mid_load_loses_nothing_and_doubles_nothi
 def test_sigkill_of_an_api_process_mid_load_loses_nothing_and_doubles_nothing(
     base_settings: Settings, tmp_path: Path
 ) -> None:
-    procs = None
+    procs, run = None, None
     try:
         settings, procs, urls = start(base_settings, tmp_path)
         victim = procs.procs[2]  # the first API process, serving urls[0]
-        run = Registrations(Clients(urls), settings.topic_prefix.strip("."))
+        run = Registrations(Clients(urls), settings.topic_prefix.strip("."))  # starts the load
         run.progress.wait_for(KILL_AFTER, timeout=90)
         pids = sigkill(victim)
         print(f"\nkilled an API process (pids {pids}) after {run.progress.count} answers")
@@ -225,6 +232,8 @@ def test_sigkill_of_an_api_process_mid_load_loses_nothing_and_doubles_nothing(
         check(settings, run, tmp_path)
         assert failed_over, "the kill did not hit a single request: nothing was tested"
     finally:
+        if run is not None:
+            run.abandon.set()
         if procs is not None:
             procs.stop()
 
@@ -249,25 +258,31 @@ def test_a_retry_queued_behind_its_original_gets_the_original_answer(
         commands = Topics(settings.topic_prefix).commands
         tps = [TopicPartition(commands, p) for p in range(settings.partitions)]
         offsets = KafkaConsumer(bootstrap_servers=settings.kafka())
+
+        def queued_at_least(n: int) -> Callable[[], bool]:
+            return lambda: sum(offsets.end_offsets(tps).values()) >= n
+
+        decoy = Logical(3, "register-customer", {"name": "D", "email": "d@example.com"}, key="d")
+        pairs = [
+            Logical(1, "register-customer", {"name": "Q", "email": "q@example.com"}, key="q"),
+            Logical(2, "reprice-book", {"price_cents": 2500}, key="r", aggregate_id=book),
+        ]
+        sends = [(cmd, url) for cmd in pairs for url in urls]
         try:
-            queued_before = sum(offsets.end_offsets(tps).values())
-            processor.send_signal(signal.SIGSTOP)  # well under the 10 s session timeout
+            queued = sum(offsets.end_offsets(tps).values())
+            processor.send_signal(signal.SIGSTOP)  # for well under the 10 s session timeout
             stopped = True
-            pairs = [
-                Logical(1, "register-customer", {"name": "Q", "email": "q@example.com"}, key="q"),
-                Logical(2, "reprice-book", {"price_cents": 2500}, key="r", aggregate_id=book),
-            ]
-            sends = [(cmd, url) for cmd in pairs for url in urls]
-            with ThreadPoolExecutor(len(sends)) as pool:
-                futures = [pool.submit(send, clients.api(url), cmd) for cmd, url in sends]
-                wait_until(
-                    lambda: sum(offsets.end_offsets(tps).values()) >= queued_before + len(sends),
-                    5,
-                    "both attempts of both commands in the commands topic",
-                )
+            with ThreadPoolExecutor(len(sends) + 1) as pool:
+                # The decoy completes the fetch the frozen processor may have pending, so that
+                # both attempts of each command come back to it in one later fetch: one batch.
+                decoyed = pool.submit(send, HttpApi(urls[0], clients.bearer), decoy)
+                wait_until(queued_at_least(queued + 1), 5, "the decoy in the commands topic")
+                futures = [pool.submit(send, HttpApi(url, clients.bearer), c) for c, url in sends]
+                wait_until(queued_at_least(queued + 1 + len(sends)), 5, "all attempts queued")
                 processor.send_signal(signal.SIGCONT)
                 stopped = False
                 answers = [f.result() for f in futures]
+                assert decoyed.result().status == 201, decoyed.result()
         finally:
             offsets.close()
         answered = list(zip(sends, answers, strict=True))

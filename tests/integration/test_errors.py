@@ -601,19 +601,24 @@ def test_an_unanswered_command_is_504_and_expires_unprocessed(base_settings: Set
         thread = threading.Thread(target=processor.run, name="late-processor", daemon=True)
         thread.start()
         try:
-            # Same partition: once this is answered, the late command before it was decided.
-            fresh = _same_partition_id(late, settings.partitions)
-            fresh_body = {"aggregate_id": fresh, "data": {"name": "F", "email": "f@example.com"}}
+            # Same partition: once one is answered, the late command before it was decided.
+            # A new aggregate per attempt, as an attempt that timed out may still be applied.
+            accepted: list[str] = []
 
             def fresh_accepted() -> bool:
-                return send(client, "register-customer", fresh_body).status_code == 201
+                fresh = _same_partition_id(late, settings.partitions)
+                data = {"name": "Fresh", "email": "fresh@example.com"}
+                r = send(client, "register-customer", {"aggregate_id": fresh, "data": data})
+                if r.status_code == 201:
+                    accepted.append(fresh)
+                return bool(accepted)
 
             wait_until(fresh_accepted, 90, "a fresh command to be processed")
         finally:
             processor.stop()
             thread.join(timeout=30)
         assert events_of(settings, "customer", late) == []
-        assert len(events_of(settings, "customer", fresh)) == 1
+        assert len(events_of(settings, "customer", accepted[0])) == 1
         replies = [Reply.decode(r.value) for r in read_to_end(settings.kafka(), topics.replies)]
         [refused] = [r for r in replies if r.command_id == sent.command_id]
         assert refused.status == 504 and refused.body["error"]["code"] == "timeout"

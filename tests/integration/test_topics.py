@@ -72,21 +72,8 @@ def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_for_metadata(settings: Settings) -> None:
-    """Until the broker's metadata shows every topic of `settings` with a leader per partition.
-
-    `create_topics` returns once the controller accepted the request, before the new topics are
-    visible (see the report on stack/topics.py); checking right after it can see them missing."""
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka(), request_timeout_ms=30000)
-    try:
-        names = [spec.name for spec in Topics(settings.topic_prefix).specs()]
-        admin.wait_for_topics(names, timeout_ms=30000)
-    finally:
-        admin.close()
-
-
 def test_a_correctly_created_deployment_passes(deployment: Settings) -> None:
-    wait_for_metadata(deployment)
+    # Right after create_topics (in new_deployment): it returns only once the topics are usable.
     check_topics(deployment)
 
 
@@ -142,7 +129,6 @@ def test_a_topic_with_another_partition_count_is_named(base_settings: Settings) 
 
 
 def test_settings_with_another_partition_count_flag_every_topic(deployment: Settings) -> None:
-    wait_for_metadata(deployment)
     other = deployment.model_copy(update={"partitions": deployment.partitions * 2})
     message = problems_of(other)
     names = [spec.name for spec in Topics(deployment.topic_prefix).specs()]
@@ -156,7 +142,6 @@ def test_settings_with_another_partition_count_flag_every_topic(deployment: Sett
 
 
 def test_the_cli_checks_a_good_deployment_and_lists_its_topics(deployment: Settings) -> None:
-    wait_for_metadata(deployment)
     done = cli(deployment, "topics")
     assert done.returncode == 0, done.stderr
     for spec in Topics(deployment.topic_prefix).specs():
