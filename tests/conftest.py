@@ -1,1 +1,54 @@
+"""One real Kafka broker and one real Postgres per test session, on free ports, in a temporary
+directory; started only when a test asks for them (unit tests never do)."""
+
 from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stack.local_kafka import LocalKafka
+from stack.local_postgres import LocalPostgres
+from stack.migrate import upgrade
+from stack.procs import free_port
+from stack.settings import Settings
+from tests.support import REPO, SECRET
+
+
+@pytest.fixture(scope="session")
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="logfold-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kafka(workdir: Path) -> Iterator[LocalKafka]:
+    broker = LocalKafka(REPO / ".stack" / "lib", workdir / "kafka", free_port(), free_port())
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres(workdir: Path) -> Iterator[LocalPostgres]:
+    server = LocalPostgres(workdir / "pg", free_port())
+    server.start()
+    upgrade(server.url)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def base_settings(kafka: LocalKafka, postgres: LocalPostgres) -> Settings:
+    return Settings(
+        kafka_bootstrap_servers=kafka.bootstrap,
+        database_url=postgres.url,
+        jwt_secret=SECRET,
+        partitions=4,
+        command_timeout_s=10,
+    )

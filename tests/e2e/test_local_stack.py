@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 import requests
 
 from stack.procs import free_port, port_open, wait_until
-from tests.support import REPO
+from stack.settings import Settings
+from tests.support import REPO, log_of
 
 pytestmark = pytest.mark.e2e
 
@@ -166,3 +168,35 @@ def test_every_command_has_help(args: list[str]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "Usage: " in out.stdout and len(out.stdout.splitlines()) > 3
+
+
+def test_run_uses_external_kafka_and_postgres_when_configured(
+    data_dir: Path, base_settings: Settings
+) -> None:
+    running = RunningStack(data_dir)
+    prefix = f"ext{uuid.uuid4().hex[:6]}."
+    running.env.update(
+        {
+            "KAFKA_BOOTSTRAP_SERVERS": base_settings.kafka(),
+            "DATABASE_URL": base_settings.database(),
+            "LOGFOLD_TOPIC_PREFIX": prefix,
+        }
+    )
+    try:
+        token = running.start()
+        output = "".join(running.output)
+        assert "starting Kafka" not in output and "starting Postgres" not in output
+        assert base_settings.kafka() in output
+        r = requests.post(
+            f"{running.base}/commands/register-customer",
+            timeout=30,
+            headers={"Authorization": f"Bearer {token}"},
+            json={"data": {"name": "Ext", "email": "ext@example.com"}},
+        )
+        assert r.status_code == 201, r.text
+        events = log_of(base_settings.model_copy(update={"topic_prefix": prefix}), "customer")
+        assert [e.aggregate_id for e in events] == [r.json()["aggregate_id"]]
+        assert running.interrupt() == 0
+        assert not (data_dir / "kafka").exists() and not (data_dir / "pg").exists()
+    finally:
+        running.kill()
