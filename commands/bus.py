@@ -25,6 +25,10 @@ class Unavailable(Exception):
     """Kafka could not take the command; nothing was written."""
 
 
+class _Unacknowledged(Exception):
+    """The send failed after the record may have reached the broker."""
+
+
 class ReplyTimeout(Exception):
     """No reply in time; the command expires unprocessed if no processor picked it up."""
 
@@ -74,16 +78,26 @@ class CommandBus:
         with self._lock:
             self._waiting[msg.command_id] = future
         try:
-            self._send(msg)
-            # Wait a little past the deadline so an outcome decided just in time still arrives.
-            remaining = msg.deadline + self.settings.clock_skew_s + 1.0 - time.time()
             try:
-                return future.result(timeout=max(remaining, 0.1))
+                self._send(msg)
+            except _Unacknowledged as e:
+                # The broker may have stored the command without acknowledging it. Its reply,
+                # if it was decided in time, still reaches us; otherwise it expires unapplied.
+                try:
+                    return future.result(timeout=self._past_deadline(msg))
+                except TimeoutError:
+                    raise Unavailable(str(e.__cause__)) from e
+            try:
+                return future.result(timeout=self._past_deadline(msg))
             except TimeoutError as e:
                 raise ReplyTimeout() from e
         finally:
             with self._lock:
                 self._waiting.pop(msg.command_id, None)
+
+    def _past_deadline(self, msg: CommandMessage) -> float:
+        """Seconds until an outcome decided just before the deadline has surely arrived."""
+        return max(msg.deadline + self.settings.clock_skew_s + 1.0 - time.time(), 0.1)
 
     def _send(self, msg: CommandMessage) -> None:
         partition = partition_for(msg.aggregate_id, self.settings.partitions)
@@ -99,10 +113,7 @@ class CommandBus:
         try:
             sent.get(timeout=max(msg.deadline - time.time(), 0.1))
         except KafkaError as e:
-            # The broker may have stored it without acknowledging. Processors refuse a command
-            # after its deadline, so once that has passed "nothing was written" is true.
-            self._stopping.wait(max(msg.deadline + self.settings.clock_skew_s - time.time(), 0))
-            raise Unavailable(str(e)) from e
+            raise _Unacknowledged() from e
 
     def _read_replies(self) -> None:
         while not self._stopping.is_set():

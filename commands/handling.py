@@ -85,9 +85,17 @@ def handle(
                 )
             return Outcome(seen.status, seen.body, replay=True)
     try:
-        return _decide(msg, part, refs, now, new_id)
+        outcome = _decide(msg, part, refs, now, new_id)
     except Rejected as r:
         return Outcome(STATUS[r.code], error_body(r.code, r.message, r.details))
+    if msg.idempotency_key is not None and outcome.events:
+        # Recorded at decision time: a retry queued behind its original in the same batch must
+        # replay it, not be decided again. The processor adds the position to this same body
+        # before any reply of the batch is sent.
+        part.idempotency[msg.idempotency_key] = IdempotencyRecord(
+            msg.fingerprint or "", outcome.status, outcome.body
+        )
+    return outcome
 
 
 def _decide(

@@ -174,8 +174,7 @@ class PartitionOwner:
             md = futures[-1].get()
             outcome.body["position"] = Position(md.topic, md.partition, md.offset).token()
             if msg.idempotency_key is not None:
-                record = IdempotencyRecord(msg.fingerprint or "", 201, outcome.body)
-                self.state.idempotency[msg.idempotency_key] = record
+                record = self.state.idempotency[msg.idempotency_key]  # recorded by handle()
                 self.producer.send(
                     self.topics.idempotency,
                     key=msg.idempotency_key.encode(),

@@ -77,7 +77,9 @@ class Logical:
 
     def describe(self) -> str:
         tries = ", ".join(f"{a.url[-5:]}:{a.status or a.error}" for a in self.attempts)
-        return f"#{self.index} {self.name} key={self.key} agg={self.aggregate_id} [{tries}]"
+        answered = self.final.body if self.final and isinstance(self.final.body, dict) else {}
+        agg = self.aggregate_id or answered.get("aggregate_id")
+        return f"#{self.index} {self.name} key={self.key} agg={agg} [{tries}]"
 
 
 def send(api: HttpApi, cmd: Logical, timeout: float = 40) -> Attempt:
