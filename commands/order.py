@@ -44,6 +44,7 @@ class Order:
     customer_id: str
     total_cents: int
     status: Status
+    lines: tuple[PlacedLine, ...] = ()
 
 
 def decide(state: Order | None, command: object, refs: References) -> list[DomainEvent]:
@@ -60,7 +61,7 @@ def decide(state: Order | None, command: object, refs: References) -> list[Domai
                 raise rule_violated(
                     f"amount {amount_cents} does not match the order total {state.total_cents}"
                 )
-            return [OrderPaid(amount_cents=amount_cents)]
+            return [OrderPaid(amount_cents=amount_cents, lines=state.lines)]
         case ShipOrder():
             assert state is not None
             if state.status != "paid":
@@ -97,8 +98,8 @@ def _place(customer_id: str, lines: tuple[OrderLine, ...], refs: References) -> 
 
 def evolve(state: Order | None, event: DomainEvent) -> Order:
     match event:
-        case OrderPlaced(customer_id, _, total_cents):
-            return Order(customer_id=customer_id, total_cents=total_cents, status="placed")
+        case OrderPlaced(customer_id, lines, total_cents):
+            return Order(customer_id, total_cents, "placed", lines)
         case OrderPaid():
             assert state is not None
             return replace(state, status="paid")

@@ -25,7 +25,10 @@ class OrderPlaced(DomainEvent):
 
 @dataclass(frozen=True)
 class OrderPaid(DomainEvent):
+    """Carries the paid lines (as placed) so read models fold a payment without looking back."""
+
     amount_cents: int
+    lines: tuple[PlacedLine, ...]
 
 
 @dataclass(frozen=True)

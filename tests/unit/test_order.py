@@ -17,7 +17,7 @@ PLACED = OrderPlaced(
     ),
     total_cents=6995,
 )
-PAID = OrderPaid(amount_cents=6995)
+PAID = OrderPaid(amount_cents=6995, lines=PLACED.lines)
 SHIPPED = OrderShipped()
 CANCELLED = OrderCancelled(reason="changed my mind")
 
@@ -109,7 +109,7 @@ def test_place_with_no_references_at_all_is_invalid(given):
 
 
 def test_pay_the_exact_total(given):
-    given(ORDER, PLACED).when(PayOrder(6995)).then(OrderPaid(amount_cents=6995))
+    given(ORDER, PLACED).when(PayOrder(6995)).then(OrderPaid(amount_cents=6995, lines=PLACED.lines))
 
 
 @pytest.mark.parametrize("amount", [6994, 6996, 1999])
@@ -179,4 +179,4 @@ def test_cancel_once_shipped_or_cancelled_is_a_rule_violation(given, status, mes
 )
 def test_evolve_tracks_status_and_total(given, status, expected):
     state = given(ORDER, *HISTORIES[status]).state
-    assert state == Order(customer_id="c-1", total_cents=6995, status=expected)
+    assert state == Order(customer_id="c-1", total_cents=6995, status=expected, lines=PLACED.lines)

@@ -34,7 +34,10 @@ SAMPLES = [
         ),
         total_cents=6995,
     ),
-    OrderPaid(amount_cents=6995),
+    OrderPaid(
+        amount_cents=6995,
+        lines=(PlacedLine("b-1", 2, 1999, "Frank Herbert", 0.1),),
+    ),
     OrderShipped(),
     OrderCancelled(reason="changed my mind"),
 ]
