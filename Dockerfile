@@ -15,7 +15,7 @@ RUN apt-get update \
 
 WORKDIR /src
 COPY . .
-RUN pip install ".[spark]" \
+RUN pip install "." \
     && rm -rf /src
 
 # Unprivileged runtime user; /var/lib/logfold holds local state (e.g. Spark checkpoints).

@@ -8,10 +8,11 @@ from typing import Any
 
 from flask import Flask
 
-from app import commands_api, errors, ops
+from app import commands_api, errors, ops, views_api
 from app.health import HealthChecks
 from app.metrics import Metrics
 from app.openapi import build_spec
+from app.read_model import ReadModel
 from commands.bus import CommandBus
 from stack.settings import Settings
 
@@ -28,10 +29,13 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["logfold.settings"] = settings
     app.extensions["logfold.bus"] = overrides.get("bus") or CommandBus(settings)
-    app.extensions["logfold.health"] = overrides.get("health") or HealthChecks(settings)
+    read_model = overrides.get("read_model") or ReadModel(settings)
+    app.extensions["logfold.read_model"] = read_model
+    app.extensions["logfold.health"] = overrides.get("health") or HealthChecks(settings, read_model)
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
     errors.register(app)
     app.register_blueprint(ops.bp)
     app.register_blueprint(commands_api.bp)
+    app.register_blueprint(views_api.bp)
     return app

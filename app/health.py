@@ -11,15 +11,20 @@ import psycopg
 from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
+from app.read_model import ReadModel
 from stack.settings import Settings
 from stack.topics import Topics
 
 Status = dict[str, Any]
 
+STALE_S = 60.0
+
 
 class HealthChecks:
-    def __init__(self, settings: Settings, timeout: float = 3.0) -> None:
-        self.settings, self.timeout = settings, timeout
+    def __init__(
+        self, settings: Settings, read_model: ReadModel | None = None, timeout: float = 3.0
+    ) -> None:
+        self.settings, self.timeout, self.read_model = settings, timeout, read_model
         self.topics = Topics(settings.topic_prefix)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
 
@@ -36,10 +41,30 @@ class HealthChecks:
             try:
                 results[name] = future.result(timeout=max(deadline - time.monotonic(), 0.01))
             except FutureTimeout:
-                results[name] = {"status": "down", "error": f"no answer in {self.timeout}s"}
+                results[name] = {"status": "down", "error": f"no answer in {self.timeout:g}s"}
             except Exception as e:
                 results[name] = {"status": "down", "error": str(e) or type(e).__name__}
+        if "projections" in results:  # one component per projection, as API.md asks
+            each = results.pop("projections")
+            for name, status in each.get("each", {}).items():
+                results[f"projection:{name}"] = status
+            if "each" not in each:
+                results["projections"] = each
         return results
+
+    def projections(self) -> Status:
+        """A projection is up unless it is behind and has not advanced for STALE_S seconds."""
+        assert self.read_model is not None
+        each = {}
+        for name, lag in self.read_model.lag().items():
+            stale = lag["events"] > 0 and lag["seconds"] > STALE_S
+            each[name] = {
+                "status": "down" if stale else "up",
+                "lag_events": lag["events"],
+                "lag_seconds": lag["seconds"],
+                "late_events": lag["late_events"],
+            }
+        return {"each": each}
 
     def _admin(self) -> KafkaAdminClient:
         return KafkaAdminClient(

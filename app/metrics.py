@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
@@ -33,6 +35,29 @@ class Metrics:
             ["component"],
             registry=self.registry,
         )
+
+        self.lag_seconds = Gauge(
+            "logfold_component_lag_seconds",
+            "Seconds the component is behind the log",
+            ["component"],
+            registry=self.registry,
+        )
+        self.late_events = Gauge(
+            "logfold_late_events",
+            "Events later than the watermark, kept out of windows",
+            ["component"],
+            registry=self.registry,
+        )
+
+    def record_health(self, components: dict[str, dict[str, Any]]) -> None:
+        for name, status in components.items():
+            self.component_up.labels(name).set(1 if status["status"] == "up" else 0)
+            if "lag_events" in status:
+                self.component_lag.labels(name).set(status["lag_events"])
+            if "lag_seconds" in status:
+                self.lag_seconds.labels(name).set(status["lag_seconds"])
+            if "late_events" in status:
+                self.late_events.labels(name).set(status["late_events"])
 
     def count(self, command: str, status: int) -> None:
         self.commands.labels(command, str(status)).inc()

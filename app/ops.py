@@ -24,10 +24,7 @@ DOCS_PAGE = """<!doctype html>
 def health() -> Response:
     components = current_app.extensions["logfold.health"].run()
     metrics = current_app.extensions["logfold.metrics"]
-    for name, status in components.items():
-        metrics.component_up.labels(name).set(1 if status["status"] == "up" else 0)
-        if "lag_events" in status:
-            metrics.component_lag.labels(name).set(status["lag_events"])
+    metrics.record_health(components)
     up = all(c["status"] == "up" for c in components.values())
     response = jsonify({"status": "up" if up else "down", "components": components})
     response.status_code = 200 if up else 503
@@ -39,7 +36,9 @@ def health() -> Response:
 @bp.get("/metrics")
 @require("admin")
 def metrics() -> Response:
-    body = current_app.extensions["logfold.metrics"].render()
+    metrics = current_app.extensions["logfold.metrics"]
+    metrics.record_health(current_app.extensions["logfold.health"].run())
+    body = metrics.render()
     return Response(body, mimetype="text/plain; version=0.0.4")
 
 

@@ -96,6 +96,65 @@ def processor() -> None:
 
 
 @main.command()
+def projector() -> None:
+    """Run the Spark projector: folds the event log into the read views, continuously."""
+    import signal
+
+    from spark.projector import Projector
+    from stack import logs
+
+    settings = _settings()
+    logs.configure(settings.log_level)
+    _require_topics(settings)
+    job = Projector(settings)
+    signal.signal(signal.SIGTERM, lambda *_: job.stop())
+    signal.signal(signal.SIGINT, lambda *_: job.stop())
+    job.run()
+
+
+@main.command()
+@click.argument("projections", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Rebuild every projection.")
+@click.option("--verify", is_flag=True, help="Compare the rebuilt views with the live ones.")
+def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> None:
+    """Rebuild projections by replaying the whole log (readers keep the old view until the swap).
+
+    Exits 1 when --verify finds a difference.
+    """
+    from projections.registry import PROJECTIONS
+    from spark.rebuild import Rebuild
+    from spark.session import session
+    from stack import logs
+
+    if everything == bool(projections):
+        raise click.UsageError(f"name projections or give --all; known: {', '.join(PROJECTIONS)}")
+    unknown = [p for p in projections if p not in PROJECTIONS]
+    if unknown:
+        raise click.UsageError(f"unknown projection(s) {unknown}; known: {', '.join(PROJECTIONS)}")
+    settings = _settings()
+    logs.configure("WARNING")
+    _require_topics(settings)
+    job = Rebuild(settings, session(settings, "logfold-rebuild"))
+    differences = 0
+    for name in projections or tuple(PROJECTIONS):
+        report = job.run(PROJECTIONS[name], verify=verify)
+        rate = report.events / report.seconds if report.seconds else 0.0
+        rows = ", ".join(f"{t}: {n} rows" for t, n in report.rows.items())
+        click.echo(
+            f"{name}: {report.events} events in {report.seconds:.1f}s "
+            f"({rate:,.0f} events/s); {rows}"
+        )
+        for table, diff in (report.differences or {}).items():
+            differences += len(diff)
+            status = "identical to the live view" if not diff else f"{len(diff)} differences"
+            click.echo(f"  verify {table}: {status}")
+            for row in diff[:10]:
+                click.echo(f"    {row}")
+    if differences:
+        sys.exit(1)
+
+
+@main.command()
 def migrate() -> None:
     """Apply the Alembic migrations to DATABASE_URL (alembic upgrade head)."""
     from stack.migrate import upgrade

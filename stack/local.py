@@ -99,6 +99,7 @@ class LocalStack:
         self._check_port(s.api_port, "the API", "LOGFOLD_API_PORT")
         for _ in range(s.processors):
             self.spawn("processor")
+        self.spawn("projector")
         self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)

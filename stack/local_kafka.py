@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import base64
-import shutil
 import subprocess
 import uuid
 from pathlib import Path
 
+from stack import maven
 from stack.procs import port_open, stop_process, wait_until
 
 POM = Path(__file__).parent / "kafka" / "pom.xml"
@@ -16,32 +16,7 @@ LOG4J = Path(__file__).parent / "kafka" / "log4j2.properties"
 
 def ensure_jars(lib_dir: Path) -> Path:
     """Fetch the pinned broker and its runtime jars with Maven unless already present."""
-    target = (lib_dir / "kafka").resolve()
-    stamp = target / ".pom"
-    pom_text = POM.read_text()
-    if stamp.exists() and stamp.read_text() == pom_text:
-        return target
-    if shutil.which("mvn") is None:
-        raise RuntimeError("Maven (mvn) is needed to fetch the Kafka jars: apt-get install maven")
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
-    subprocess.run(
-        [
-            "mvn",
-            "-q",
-            "-B",
-            "-Dstyle.color=never",
-            "-f",
-            str(POM),
-            "dependency:copy-dependencies",
-            "-DincludeScope=runtime",
-            f"-DoutputDirectory={target}",
-        ],
-        check=True,
-    )
-    stamp.write_text(pom_text)
-    return target
+    return maven.fetch(POM, lib_dir / "kafka")
 
 
 class LocalKafka:

@@ -33,6 +33,11 @@ class Settings(BaseSettings):
     api_threads: int = 32
     processors: int = Field(default=1, ge=1)
 
+    spark_master: str = "local[*]"
+    spark_shuffle_partitions: int = 2
+    spark_driver_memory: str = "1g"
+    projector_trigger_s: float = Field(default=0.5, gt=0)
+
     jwt_secret: str | None = None
     command_timeout_s: float = Field(default=10.0, gt=0)
     kafka_timeout_s: float = Field(default=5.0, gt=0)

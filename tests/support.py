@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import requests
 
 from app.auth import SCOPES, issue_token
 from events.serialization import Envelope
 from events.store import read_events
+from stack.migrate import upgrade
 from stack.procs import free_port, stop_process, wait_until
 from stack.settings import Settings
 from stack.topics import Topics, create_topics
@@ -28,8 +30,16 @@ def token(*scopes: str, subject: str = "tester", ttl: int = 3600) -> str:
 
 
 def new_deployment(base: Settings, **overrides: Any) -> Settings:
-    """Settings for a fresh, isolated deployment (its own topic prefix) on the shared broker."""
-    settings = base.model_copy(update={"topic_prefix": f"t{uuid.uuid4().hex[:10]}.", **overrides})
+    """Settings for a fresh, isolated deployment on the shared broker and server: its own topic
+    prefix and its own database, migrated to the latest revision."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    database = base.database().rsplit("/", 1)[0] + f"/{name}"
+    with psycopg.connect(base.database(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    upgrade(database)
+    settings = base.model_copy(
+        update={"topic_prefix": f"{name}.", "database_url": database, **overrides}
+    )
     create_topics(settings)
     return settings
 
@@ -123,6 +133,9 @@ class Processes:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: requests.get(f"{url}/openapi.json", timeout=2).ok, 60, f"API at {url}")
         return proc, url
+
+    def projector(self) -> subprocess.Popen[bytes]:
+        return self._spawn("projector", "projector")
 
     def wait_processing(self, api_url: str, processors: int, timeout: float = 60) -> None:
         """Until /health shows `processors` members in the processors' group."""

@@ -1,0 +1,180 @@
+"""Reading the views: rows, pagination, progress and lag, and waiting for a position."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from kafka import KafkaConsumer, TopicPartition
+
+from commands.messages import Position
+from projections.base import Output, Projection
+from projections.progress import table as progress_table
+from projections.registry import PROJECTIONS
+from stack.migrate import sqlalchemy_url
+from stack.settings import Settings
+from stack.topics import Topics
+
+
+class BadValue(ValueError):
+    """A filter, key or cursor value that does not fit its column."""
+
+
+def coerce(column: sa.Column[Any], value: Any) -> Any:
+    """`value` (text from a URL or a cursor) as the column's Python type, or BadValue."""
+    kind = column.type.python_type
+    try:
+        if kind is datetime:
+            parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        if kind is int and isinstance(value, str) and not value.lstrip("-").isdigit():
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise BadValue(f"{value!r} is not a valid {column.name}") from e
+
+
+def encode_cursor(values: list[Any]) -> str:
+    raw = json.dumps([v.isoformat() if isinstance(v, datetime) else v for v in values])
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, size: int) -> list[Any]:
+    try:
+        values = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except Exception as e:
+        raise BadValue("not a cursor from a previous page") from e
+    if not isinstance(values, list) or len(values) != size:
+        raise BadValue("not a cursor from a previous page")
+    return values
+
+
+def jsonable(row: sa.Row[Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in row._mapping.items():
+        if isinstance(value, datetime):
+            value = value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        out[key] = value
+    return out
+
+
+class ReadModel:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.engine = sa.create_engine(
+            sqlalchemy_url(settings.database()),
+            pool_size=10,
+            max_overflow=20,
+            pool_pre_ping=True,
+            pool_timeout=5,
+            connect_args={"connect_timeout": 3, "options": "-c statement_timeout=10000"},
+        )
+        self._ends: tuple[float, dict[str, int]] = (0.0, {})
+        self._lock = threading.Lock()
+
+    def rows(
+        self, output: Output, filters: dict[str, str], limit: int, cursor: str | None
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        t = output.table
+        key = [t.c[k] for k in output.key]
+        query = sa.select(t).order_by(*key).limit(limit + 1)
+        for column, value in filters.items():
+            query = query.where(t.c[column] == coerce(t.c[column], value))
+        if cursor is not None:
+            after = decode_cursor(cursor, len(key))
+            values = [coerce(k, v) for k, v in zip(key, after, strict=True)]
+            query = query.where(sa.tuple_(*key) > sa.tuple_(*values))
+        with self.engine.connect() as conn:
+            found = conn.execute(query).fetchall()
+        page = [jsonable(r) for r in found[:limit]]
+        more = len(found) > limit
+        next_cursor = (
+            encode_cursor([found[limit - 1]._mapping[k] for k in output.key]) if more else None
+        )
+        return page, next_cursor
+
+    def row(self, output: Output, key: list[str]) -> dict[str, Any] | None:
+        t = output.table
+        query = sa.select(t)
+        for name, value in zip(output.key, key, strict=True):
+            query = query.where(t.c[name] == coerce(t.c[name], value))
+        with self.engine.connect() as conn:
+            found = conn.execute(query).first()
+        return jsonable(found) if found else None
+
+    def progress(self) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(progress_table)).fetchall()
+        return {r.projection: dict(r._mapping) for r in rows}
+
+    def includes(self, projection: Projection, position: Position) -> bool:
+        """Whether the projection has applied the event at `position` (or never will need to)."""
+        if position.topic not in {self.topics.events(t) for t in projection.topics}:
+            return True
+        applied = self.progress().get(projection.name, {}).get("offsets", {})
+        return int(applied.get(f"{position.topic}:{position.partition}", -1)) >= position.offset
+
+    def wait_for(self, projection: Projection, position: Position, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.includes(projection, position):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def end_offsets(self) -> dict[str, int]:
+        """End offsets of every events partition, cached for a second."""
+        with self._lock:
+            at, ends = self._ends
+            if time.monotonic() - at < 1.0:
+                return ends
+            consumer = KafkaConsumer(
+                bootstrap_servers=self.settings.kafka(),
+                isolation_level="read_committed",
+                request_timeout_ms=3000,
+            )
+            try:
+                tps = [
+                    TopicPartition(self.topics.events(a), p)
+                    for a in {t for proj in PROJECTIONS.values() for t in proj.topics}
+                    for p in range(self.settings.partitions)
+                ]
+                found = consumer.end_offsets(tps)
+            finally:
+                consumer.close()
+            ends = {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
+            self._ends = (time.monotonic(), ends)
+            return ends
+
+    def lag(self) -> dict[str, dict[str, Any]]:
+        """Per projection: events not yet applied, seconds behind, late events seen.
+
+        Offsets count transaction markers too, so while behind the event count is an upper
+        bound; caught up, it is exactly 0 (the last marker after the last event is skipped)."""
+        ends, progress = self.end_offsets(), self.progress()
+        now = datetime.now(UTC)
+        out = {}
+        for name, projection in PROJECTIONS.items():
+            p = progress.get(name, {})
+            applied = p.get("offsets", {})
+            behind = 0
+            for topic in projection.topics:
+                for part in range(self.settings.partitions):
+                    k = f"{self.topics.events(topic)}:{part}"
+                    last = int(applied.get(k, -1))
+                    behind += max(ends.get(k, 0) - last - (2 if last >= 0 else 1), 0)
+            updated = p.get("updated_at")
+            seconds = (now - updated).total_seconds() if behind and updated else 0.0
+            out[name] = {
+                "events": behind,
+                "seconds": round(seconds, 3),
+                "late_events": int(p.get("late_events", 0)),
+                "generation": int(p.get("generation", 0)),
+            }
+        return out

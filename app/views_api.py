@@ -1,0 +1,160 @@
+"""`GET /views…`: the read views, with filters, pagination and read-your-writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from app.auth import require
+from app.errors import ApiError
+from app.read_model import BadValue, ReadModel
+from commands.messages import Position
+from projections.base import Output, Projection
+from projections.registry import VIEWS
+
+bp = Blueprint("views", __name__)
+
+MAX_LIMIT, MAX_WAIT_S = 500, 30.0
+
+
+def _model() -> ReadModel:
+    model: ReadModel = current_app.extensions["logfold.read_model"]
+    return model
+
+
+def _view(name: str) -> tuple[Projection, Output]:
+    found = VIEWS.get(name)
+    if found is None:
+        raise ApiError(404, "not_found", f"unknown view {name!r}; GET /views lists them")
+    return found
+
+
+def _number(name: str, default: float, low: float, high: float) -> float:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        raise ApiError(
+            422,
+            "validation_failed",
+            f"invalid {name}",
+            [{"field": name, "problem": f"must be a number from {low:g} to {high:g}"}],
+        )
+    return value
+
+
+def _consistent(projection: Projection) -> None:
+    """Wait until the view includes `consistent_with` (query or X-Consistent-With), or 504."""
+    token = request.args.get("consistent_with") or request.headers.get("X-Consistent-With")
+    if not token:
+        return
+    try:
+        position = Position.parse(token)
+    except ValueError as e:
+        raise ApiError(
+            422,
+            "validation_failed",
+            str(e),
+            [{"field": "consistent_with", "problem": "not a position token"}],
+        ) from e
+    wait = _number("wait", 5.0, 0.0, MAX_WAIT_S)
+    if not _model().wait_for(projection, position, wait):
+        lag = _model().lag().get(projection.name, {})
+        raise ApiError(
+            504, "timeout", f"the view did not reach the position within {wait:g}s", [{"lag": lag}]
+        )
+
+
+def _database_errors(fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (OperationalError, PoolTimeout) as e:
+            raise ApiError(
+                503,
+                "unavailable",
+                "Postgres is unavailable; try again",
+                headers={"Retry-After": str(current_app.config["RETRY_AFTER_S"])},
+            ) from e
+
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+@bp.get("/views")
+@require("views:read")
+@_database_errors
+def list_views() -> Response:
+    lag = _model().lag()
+    return jsonify(
+        {
+            "views": [
+                {
+                    "name": name,
+                    "projection": p.name,
+                    "key": list(o.key),
+                    "filterable": list(o.filterable),
+                    "columns": list(o.columns),
+                    "lag": lag.get(p.name),
+                }
+                for name, (p, o) in VIEWS.items()
+            ]
+        }
+    )
+
+
+@bp.get("/views/<view>")
+@require("views:read")
+@_database_errors
+def list_rows(view: str) -> Response:
+    projection, output = _view(view)
+    reserved = {"limit", "cursor", "consistent_with", "wait"}
+    filters = {k: v for k, v in request.args.items() if k not in reserved}
+    unknown = [k for k in filters if k not in output.filterable]
+    if unknown:
+        raise ApiError(
+            422,
+            "validation_failed",
+            "unknown filter",
+            [
+                {"field": k, "problem": f"not filterable; use one of {list(output.filterable)}"}
+                for k in unknown
+            ],
+        )
+    limit = int(_number("limit", 50, 1, MAX_LIMIT))
+    _consistent(projection)
+    try:
+        rows, next_cursor = _model().rows(output, filters, limit, request.args.get("cursor"))
+    except BadValue as e:
+        raise ApiError(422, "validation_failed", str(e), [{"problem": str(e)}]) from e
+    return jsonify({"rows": rows, "next": next_cursor})
+
+
+@bp.get("/views/<view>/<path:key>")
+@require("views:read")
+@_database_errors
+def get_row(view: str, key: str) -> Response:
+    projection, output = _view(view)
+    parts = key.split(",") if len(output.key) > 1 else [key]
+    if len(parts) != len(output.key):
+        raise ApiError(
+            422,
+            "validation_failed",
+            "wrong key",
+            [{"field": "key", "problem": f"give {','.join(output.key)}"}],
+        )
+    _consistent(projection)
+    try:
+        row = _model().row(output, parts)
+    except BadValue as e:
+        raise ApiError(422, "validation_failed", str(e), [{"problem": str(e)}]) from e
+    if row is None:
+        raise ApiError(404, "not_found", f"no row {key!r} in {view}")
+    return jsonify(row)

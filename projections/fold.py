@@ -1,0 +1,53 @@
+"""Spark building blocks shared by the projections' transforms."""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, StructField, StructType
+
+PAID_LINE = StructType(
+    [
+        StructField("book_id", StringType()),
+        StructField("quantity", LongType()),
+        StructField("unit_price_cents", LongType()),
+        StructField("author", StringType()),
+        StructField("royalty_rate", DoubleType()),
+    ]
+)
+
+
+def field(name: str) -> Column:
+    """A top-level field of the event's (upcast) data."""
+    return F.get_json_object(F.col("data"), f"$.{name}")
+
+
+def when_type(types: str | tuple[str, ...], value: Column) -> Column:
+    names = (types,) if isinstance(types, str) else types
+    return F.when(F.col("type").isin(*names), value)
+
+
+def latest(rows: DataFrame, key: list[str], version: str = "version") -> DataFrame:
+    """One row per key: each column from the newest row (by `version`) where it is not null."""
+    values = [c for c in rows.columns if c not in key and c != version]
+    return rows.groupBy(*key).agg(
+        *(F.max_by(c, F.when(F.col(c).isNotNull(), F.col(version))).alias(c) for c in values),
+        F.max(version).alias(version),
+    )
+
+
+def paid_lines(events: DataFrame) -> DataFrame:
+    """One row per line of every OrderPaid: order_id, occurred_at and the line's fields."""
+    paid = events.where(F.col("type") == "OrderPaid").select(
+        F.col("aggregate_id").alias("order_id"),
+        F.col("occurred_at"),
+        F.col("timestamp"),
+        F.explode(F.from_json(field("lines"), ArrayType(PAID_LINE))).alias("line"),
+    )
+    return paid.select("order_id", "occurred_at", "timestamp", "line.*")
+
+
+def royalty_cents(quantity: Column, unit_price_cents: Column, rate: Column) -> Column:
+    """Per line, rounded half up to a cent (see projections.author_royalties.royalty_cents)."""
+    exact = (quantity * unit_price_cents).cast("decimal(20,0)") * rate.cast("decimal(12,10)")
+    return F.round(exact, 0).cast("long")

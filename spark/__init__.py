@@ -1,0 +1,1 @@
+"""Spark jobs: the streaming projector, the rebuild, and (later) the join job."""

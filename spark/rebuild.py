@@ -1,0 +1,198 @@
+"""Rebuild a projection by replaying the whole log, without readers ever seeing it half-built.
+
+1. Read every committed event of the projection's topics (a Spark batch up to the current end
+   offsets), transform it with the projection's own transforms, and bulk-load the rows (COPY)
+   into shadow tables `<table>__rebuild`.
+2. Catch the shadow up, in batches, to whatever the live projector has applied meanwhile.
+3. Holding the projection's progress lock (live batches wait): apply the last few events, swap
+   the shadow in with renames (readers see the old table until the commit, then the new one),
+   and optionally compare old and new row for row. Other projections are not touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from pyspark.sql import DataFrame, SparkSession
+from tqdm import tqdm
+
+from projections.base import Output, Projection
+from spark.decode import decode_events, offsets_json, read_batch
+from spark.sink import (
+    apply_events,
+    copy_partition,
+    last_offsets,
+    lock_progress,
+    read_progress,
+    wire_rows,
+)
+from stack.settings import Settings
+from stack.topics import Topics
+
+log = logging.getLogger(__name__)
+
+SHADOW, OLD = "__rebuild", "__old"
+
+
+@dataclass
+class Report:
+    projection: str
+    events: int
+    seconds: float
+    rows: dict[str, int] = field(default_factory=dict)
+    differences: dict[str, list[Any]] | None = None  # with verify: rows only in old / new
+
+
+class Rebuild:
+    def __init__(self, settings: Settings, spark: SparkSession) -> None:
+        self.settings, self.spark = settings, spark
+        self.topics = Topics(settings.topic_prefix)
+        self.url = settings.database()
+
+    def _read(self, projection: Projection, starting: str, ending: str) -> DataFrame:
+        names = [self.topics.events(t) for t in projection.topics]
+        return decode_events(read_batch(self.spark, self.settings.kafka(), names, starting, ending))
+
+    def _between(
+        self, projection: Projection, after: dict[str, int], upto: dict[str, int]
+    ) -> DataFrame:
+        names = [self.topics.events(t) for t in projection.topics]
+        n = self.settings.partitions
+        return self._read(
+            projection, offsets_json(names, n, after, 1), offsets_json(names, n, upto, 1)
+        )
+
+    def run(self, projection: Projection, verify: bool = False, progress: bool = True) -> Report:
+        started = time.monotonic()
+        events = self._read(projection, "earliest", "latest").persist()
+        try:
+            total = events.count()
+            covered = last_offsets(events)
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                for output in projection.outputs:
+                    conn.execute(f"DROP TABLE IF EXISTS {output.name}{SHADOW}")
+                    conn.execute(
+                        f"CREATE TABLE {output.name}{SHADOW} (LIKE {output.name} INCLUDING ALL)"
+                    )
+            bar = tqdm(
+                total=total, unit="ev", desc=f"rebuild {projection.name}", disable=not progress
+            )
+            with bar:
+                for output in projection.outputs:
+                    self._bulk_load(output, events, bar, total / max(len(projection.outputs), 1))
+                bar.n = total
+                bar.refresh()
+        finally:
+            events.unpersist()
+        covered = self._catch_up(projection, covered)
+        report = self._swap(projection, covered, verify)
+        report.events = total
+        report.seconds = time.monotonic() - started
+        return report
+
+    def _bulk_load(self, output: Output, events: DataFrame, bar: tqdm, share: float) -> None:
+        rows = wire_rows(output.transform(events).select(*output.columns))
+        load = copy_partition(self.url, output.name + SHADOW, output.columns)
+        watcher = _TaskProgress(self.spark, bar, share)
+        watcher.start()
+        try:
+            rows.foreachPartition(load)
+        finally:
+            watcher.stop()
+
+    def _catch_up(self, projection: Projection, covered: dict[str, int]) -> dict[str, int]:
+        """Apply to the shadow what the live projector applied since the snapshot was read."""
+        for _ in range(20):
+            with psycopg.connect(self.url) as conn:
+                live = read_progress(conn, projection.name)
+            ahead = {k: v for k, v in live.items() if v > covered.get(k, -1)}
+            if not ahead:
+                return covered
+            with psycopg.connect(self.url) as conn, conn.transaction():
+                batch = self._between(projection, covered, {**covered, **ahead})
+                covered, _, _ = apply_events(conn, projection, batch, covered, SHADOW)
+        return covered
+
+    def _swap(self, projection: Projection, covered: dict[str, int], verify: bool) -> Report:
+        report = Report(projection.name, 0, 0.0)
+        with psycopg.connect(self.url) as conn, conn.transaction():
+            live = lock_progress(conn, projection.name)  # live batches wait from here
+            ahead = {k: v for k, v in live.items() if v > covered.get(k, -1)}
+            if ahead:
+                batch = self._between(projection, covered, {**covered, **ahead})
+                covered, _, _ = apply_events(conn, projection, batch, covered, SHADOW)
+            merged = {k: max(v, covered.get(k, -1)) for k, v in live.items()} | {
+                k: v for k, v in covered.items() if k not in live
+            }
+            for output in projection.outputs:
+                t = output.name
+                conn.execute(f"ALTER TABLE {t} RENAME TO {t}{OLD}")
+                conn.execute(f"ALTER TABLE {t}{SHADOW} RENAME TO {t}")
+                report.rows[t] = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
+            if verify:
+                report.differences = {o.name: _differences(conn, o) for o in projection.outputs}
+            for output in projection.outputs:
+                conn.execute(f"DROP TABLE {output.name}{OLD}")
+                _rename_indexes(conn, output.name)
+            conn.execute(
+                "UPDATE projection_progress SET offsets = %s, generation = generation + 1, "
+                "updated_at = now() WHERE projection = %s",
+                (Jsonb(merged), projection.name),
+            )
+        return report
+
+
+def _differences(conn: psycopg.Connection[Any], output: Output) -> list[Any]:
+    cols = ", ".join(output.columns)
+    t = output.name
+    rows = conn.execute(
+        f"(SELECT 'only_in_live' AS side, {cols} FROM {t}{OLD} EXCEPT ALL "
+        f" SELECT 'only_in_live', {cols} FROM {t}) UNION ALL "
+        f"(SELECT 'only_in_rebuild', {cols} FROM {t} EXCEPT ALL "
+        f" SELECT 'only_in_rebuild', {cols} FROM {t}{OLD}) LIMIT 1000"
+    ).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def _rename_indexes(conn: psycopg.Connection[Any], table: str) -> None:
+    """`LIKE … INCLUDING ALL` named the shadow's indexes after it; give them the usual names."""
+    for (index,) in conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE tablename = %s AND indexname LIKE %s",
+        (table, f"{table}{SHADOW}%"),
+    ).fetchall():
+        conn.execute(f"ALTER INDEX {index} RENAME TO {index.replace(table + SHADOW, table, 1)}")
+
+
+class _TaskProgress:
+    """Moves a progress bar as Spark completes the tasks of the running job."""
+
+    def __init__(self, spark: SparkSession, bar: tqdm, share: float) -> None:
+        self.tracker = spark.sparkContext.statusTracker()
+        self.bar, self.share = bar, share
+        self.base = bar.n
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            done = total = 0
+            for stage_id in self.tracker.getActiveStageIds():
+                info = self.tracker.getStageInfo(stage_id)
+                if info is not None:
+                    done, total = done + info.numCompletedTasks, total + info.numTasks
+            if total:
+                self.bar.n = int(self.base + self.share * done / total)
+                self.bar.refresh()

@@ -1,0 +1,38 @@
+"""The SparkSession every Logfold job uses, with the Kafka connector on its classpath."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from stack import maven
+from stack.settings import Settings
+
+POM = Path(__file__).resolve().parents[1] / "stack" / "spark" / "pom.xml"
+
+
+def kafka_jars(settings: Settings) -> list[str]:
+    target = maven.fetch(POM, settings.lib_path / "spark-kafka")
+    return sorted(str(p) for p in target.glob("*.jar"))
+
+
+def session(settings: Settings, app_name: str) -> SparkSession:
+    # Python workers must run in this interpreter's environment (where pandas and Logfold are).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = (
+        SparkSession.builder.appName(app_name)
+        .master(settings.spark_master)
+        .config("spark.jars", ",".join(kafka_jars(settings)))
+        .config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", settings.spark_driver_memory)
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
+    )
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark

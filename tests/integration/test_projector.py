@@ -1,0 +1,217 @@
+"""The read side on real Kafka, Postgres and Spark: the projector folds the log into views
+exactly once, through crashes, duplicates and rebuilds; reads can wait for a write."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+import pytest
+from flask.testing import FlaskClient
+
+from app.read_model import ReadModel
+from stack.procs import wait_until
+from stack.settings import Settings
+from tests.oracle import actual, differences
+from tests.support import REPO, Processes, child_env, token
+from tests.workload import Workload
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AUTH = {"Authorization": f"Bearer {token()}"}
+
+
+@pytest.fixture(scope="module")
+def procs(deployment: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
+    running = Processes(deployment, tmp_path_factory.mktemp("projector-logs"))
+    running.projector()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(client: FlaskClient) -> Workload:
+    def post(name: str, body: dict[str, Any]) -> tuple[int, Any]:
+        r = client.post(f"/commands/{name}", json=body, headers=AUTH)
+        return r.status_code, r.json
+
+    load = Workload(post, seed=11)
+    load.seed()
+    return load
+
+
+def run_load(load: Workload, commands: int, threads: int = 4) -> None:
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: load.step(), range(commands)))
+    assert not [s for s in load.statuses if s >= 500], load.statuses
+
+
+def caught_up(settings: Settings, timeout: float = 120) -> None:
+    model = ReadModel(settings)
+    try:
+        wait_until(
+            lambda: all(v["events"] == 0 for v in model.lag().values()),
+            timeout,
+            "every projection to catch up with the log",
+        )
+    finally:
+        model.engine.dispose()
+
+
+def test_a_read_with_the_commands_position_sees_the_write(
+    client: FlaskClient, procs: Processes
+) -> None:
+    r = client.post(
+        "/commands/register-customer",
+        headers=AUTH,
+        json={"data": {"name": "Grace", "email": "grace@example.com"}},
+    )
+    assert r.status_code == 201
+    cid, position = r.json["aggregate_id"], r.json["position"]
+    # The first read may come before Spark has started; a 504 says so, and we ask again.
+    answers = []
+    url = f"/views/customers/{cid}?consistent_with={position}&wait=30"
+    wait_until(lambda: answers.append(client.get(url, headers=AUTH)) or answers[-1].status_code
+               != 504, 180, "the customer in the view")  # fmt: skip
+    row = answers[-1]
+    assert row.status_code == 200, row.json
+    assert {a.status_code for a in answers} <= {200, 504}
+    assert row.json["name"] == "Grace" and row.json["version"] == 1
+    listed = client.get("/views/customers?email=grace@example.com", headers=AUTH).json
+    assert [x["customer_id"] for x in listed["rows"]] == [cid]
+    views = client.get("/views", headers=AUTH).json["views"]
+    assert {v["name"] for v in views} >= {
+        "customers",
+        "books",
+        "orders",
+        "author_royalties",
+        "sales_by_hour",
+    }
+
+
+def test_views_equal_the_fold_of_the_log(
+    workload: Workload, procs: Processes, deployment: Settings
+) -> None:
+    run_load(workload, 300)
+    caught_up(deployment)
+    assert differences(deployment) == {}
+
+
+def test_kill_9_of_the_projector_mid_stream_loses_and_doubles_nothing(
+    workload: Workload, procs: Processes, deployment: Settings
+) -> None:
+    stop = threading.Event()
+    loader = threading.Thread(target=lambda: [workload.step() for _ in iter(stop.is_set, True)])
+    loader.start()
+    rng = random.Random(5)
+    try:
+        for _ in range(3):
+            before = applied(deployment)
+            wait_until(
+                lambda b=before: applied(deployment) > b + rng.randint(20, 120),
+                120,
+                "the projector to apply more events",
+            )
+            victim = procs.procs[-1]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            procs.projector()
+    finally:
+        stop.set()
+        loader.join()
+    caught_up(deployment)
+    assert differences(deployment) == {}
+
+
+def applied(settings: Settings) -> int:
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute("SELECT coalesce(sum(events_applied), 0) FROM projection_progress")
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def test_replaying_already_applied_events_changes_nothing(
+    procs: Processes, deployment: Settings, spark: Any
+) -> None:
+    from projections.registry import PROJECTIONS
+    from spark.decode import decode_events, read_batch
+    from spark.sink import LiveSink
+    from stack.topics import Topics
+
+    caught_up(deployment)
+    before = actual(deployment)
+    topics = Topics(deployment.topic_prefix)
+    for projection in PROJECTIONS.values():
+        names = [topics.events(t) for t in projection.topics]
+        batch = decode_events(read_batch(spark, deployment.kafka(), names, "earliest", "latest"))
+        LiveSink(projection, deployment.database())(batch, 0)
+    assert actual(deployment) == before
+
+
+def test_rebuild_all_verify_while_commands_flow(
+    workload: Workload, procs: Processes, deployment: Settings
+) -> None:
+    run_load(workload, 1500, threads=8)
+    caught_up(deployment)
+    counts = row_counts(deployment)
+    seen: list[dict[str, int]] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            seen.append(row_counts(deployment))
+
+    def write() -> None:
+        while not stop.is_set():
+            workload.step()
+
+    threads = [threading.Thread(target=read), threading.Thread(target=write)]
+    for t in threads:
+        t.start()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "stack.cli", "rebuild", "--all", "--verify"],
+            cwd=REPO,
+            env=child_env(deployment),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("identical to the live view") == 6, out.stdout
+    assert seen, "the reader never ran"
+    for sample in seen:
+        for view, n in counts.items():
+            assert sample[view] >= n, (
+                f"{view} had {sample[view]} rows during the rebuild, {n} before"
+            )
+    caught_up(deployment)
+    assert differences(deployment) == {}
+    with psycopg.connect(deployment.database()) as conn:
+        generations = {r[0] for r in conn.execute("SELECT generation FROM projection_progress")}
+    assert generations == {1}
+
+
+def row_counts(settings: Settings) -> dict[str, int]:
+    views = ("customers", "books", "orders", "author_royalties", "sales_by_hour")
+    with psycopg.connect(settings.database()) as conn:
+        return {v: conn.execute(f"SELECT count(*) FROM {v}").fetchone()[0] for v in views}  # type: ignore[index]
+
+
+@pytest.fixture(scope="module")
+def spark(deployment: Settings) -> Iterator[Any]:
+    from spark.session import session
+
+    s = session(deployment, "logfold-tests")
+    yield s
+    s.stop()
