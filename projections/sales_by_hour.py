@@ -38,8 +38,8 @@ late_events = Table(
     SqlColumn("event_id", Text, primary_key=True),
     SqlColumn("projection", Text, nullable=False, index=True),
     SqlColumn("topic", Text, nullable=False),
-    SqlColumn("partition", Integer, nullable=False),
-    SqlColumn("offset", BigInteger, nullable=False),
+    SqlColumn("log_partition", Integer, nullable=False),
+    SqlColumn("log_offset", BigInteger, nullable=False),
     SqlColumn("occurred_at", DateTime(timezone=True), nullable=False),
     SqlColumn("watermark", DateTime(timezone=True), nullable=False),
 )
@@ -65,8 +65,8 @@ def late(events: DataFrame) -> DataFrame:
         "event_id",
         F.lit("sales_by_hour").alias("projection"),
         "topic",
-        "partition",
-        "offset",
+        F.col("partition").alias("log_partition"),
+        F.col("offset").alias("log_offset"),
         "occurred_at",
         _watermark().alias("watermark"),
     )

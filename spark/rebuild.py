@@ -38,6 +38,7 @@ from stack.topics import Topics
 log = logging.getLogger(__name__)
 
 SHADOW, OLD = "__rebuild", "__old"
+CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
 
 
 @dataclass
@@ -107,12 +108,13 @@ class Rebuild:
             watcher.stop()
 
     def _catch_up(self, projection: Projection, covered: dict[str, int]) -> dict[str, int]:
-        """Apply to the shadow what the live projector applied since the snapshot was read."""
-        for _ in range(20):
+        """Apply to the shadow what the live projector applied since the snapshot was read,
+        until little is left for the final step (which holds the live projector's lock)."""
+        for _ in range(CATCH_UP_ROUNDS):
             with psycopg.connect(self.url) as conn:
                 live = read_progress(conn, projection.name)
             ahead = {k: v for k, v in live.items() if v > covered.get(k, -1)}
-            if not ahead:
+            if sum(v - covered.get(k, -1) for k, v in ahead.items()) <= CATCH_UP_ENOUGH:
                 return covered
             with psycopg.connect(self.url) as conn, conn.transaction():
                 batch = self._between(projection, covered, {**covered, **ahead})
@@ -123,13 +125,17 @@ class Rebuild:
         report = Report(projection.name, 0, 0.0)
         with psycopg.connect(self.url) as conn, conn.transaction():
             live = lock_progress(conn, projection.name)  # live batches wait from here
-            ahead = {k: v for k, v in live.items() if v > covered.get(k, -1)}
-            if ahead:
-                batch = self._between(projection, covered, {**covered, **ahead})
+            # Bring both to the same position: the shadow to what the live view has applied,
+            # the live view to what the snapshot read (as its next batches would have).
+            behind_live = {k: v for k, v in live.items() if v > covered.get(k, -1)}
+            if behind_live:
+                batch = self._between(projection, covered, {**covered, **behind_live})
                 covered, _, _ = apply_events(conn, projection, batch, covered, SHADOW)
-            merged = {k: max(v, covered.get(k, -1)) for k, v in live.items()} | {
-                k: v for k, v in covered.items() if k not in live
-            }
+            behind_shadow = {k: v for k, v in covered.items() if v > live.get(k, -1)}
+            applied = late = 0
+            if behind_shadow:
+                batch = self._between(projection, live, {**live, **behind_shadow})
+                live, applied, late = apply_events(conn, projection, batch, live)
             for output in projection.outputs:
                 t = output.name
                 conn.execute(f"ALTER TABLE {t} RENAME TO {t}{OLD}")
@@ -142,8 +148,9 @@ class Rebuild:
                 _rename_indexes(conn, output.name)
             conn.execute(
                 "UPDATE projection_progress SET offsets = %s, generation = generation + 1, "
+                "events_applied = events_applied + %s, late_events = late_events + %s, "
                 "updated_at = now() WHERE projection = %s",
-                (Jsonb(merged), projection.name),
+                (Jsonb(live), applied, late, projection.name),
             )
         return report
 
