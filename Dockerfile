@@ -8,15 +8,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Java for Spark (pyspark starts a JVM); procps because Spark's launch scripts call `ps`.
+# Java for Spark (pyspark starts a JVM); procps because Spark's launch scripts call `ps`;
+# Maven to fetch Spark's Kafka connector at build time.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends default-jre-headless procps \
+    && apt-get install -y --no-install-recommends default-jre-headless procps maven \
     && rm -rf /var/lib/apt/lists/*
+
+ENV LOGFOLD_HOME=/opt/logfold
 
 WORKDIR /src
 COPY . .
 RUN pip install "." \
-    && rm -rf /src
+    && python -c "from spark.session import kafka_jars; from stack.settings import Settings; kafka_jars(Settings())" \
+    && rm -rf /src /root/.m2
 
 # Unprivileged runtime user; /var/lib/logfold holds local state (e.g. Spark checkpoints).
 RUN groupadd --system --gid 10001 logfold \

@@ -37,6 +37,14 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-say "fetching the Kafka broker jars (Maven Central, cached in .stack/lib)"
-.venv/bin/python -c "from pathlib import Path; from stack.local_kafka import ensure_jars; ensure_jars(Path('.stack/lib'))"
+say "fetching the Kafka broker and Spark Kafka connector jars (Maven Central, cached in .stack/lib)"
+.venv/bin/python - <<'PY'
+from stack.settings import Settings
+from stack.local_kafka import ensure_jars
+from spark.session import kafka_jars
+
+settings = Settings()
+ensure_jars(settings.lib_path)
+kafka_jars(settings)
+PY
 say "ready"

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
+import stack
 from stack import maven
 from stack.settings import Settings
 
-POM = Path(__file__).resolve().parents[1] / "stack" / "spark" / "pom.xml"
+POM = Path(stack.__file__).parent / "spark" / "pom.xml"
 
 
 def kafka_jars(settings: Settings) -> list[str]:

@@ -103,6 +103,17 @@ class LocalStack:
         self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)
+        self.say("waiting for the Spark projector to start its queries…")
+        wait_until(self._projector_started, 300, "the projector's queries")
+
+    def _projector_started(self) -> bool:
+        import psycopg
+
+        from projections.registry import PROJECTIONS
+
+        with psycopg.connect(self.settings.database()) as conn:
+            rows = conn.execute("SELECT projection FROM projection_progress").fetchall()
+        return {r[0] for r in rows} >= set(PROJECTIONS)
 
     def stop(self) -> None:
         for proc in reversed(self.children):

@@ -126,7 +126,7 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     )
     assert out.returncode == 0, out.stderr
     assert '"type":"CustomerRegistered"' in out.stdout
-    assert '"type":"BookRepriced","version":2' in out.stdout
+    assert '"book_id":"dune"' in out.stdout and '"price_cents":2499' in out.stdout
     assert '"status":"up"' in out.stdout
 
     assert stack.interrupt() == 0, "".join(stack.output[-30:])

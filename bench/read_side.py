@@ -1,0 +1,304 @@
+"""Read-side benchmarks on the full local stack (real Kafka, Postgres, Spark).
+
+    .venv/bin/python bench/read_side.py freshness --rates 10 25 50 --duration 20 --repeats 3
+    .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
+
+freshness: commands are posted open-loop at each rate; for every 201 we record when the view
+includes its position (the projection's progress and its rows commit in one transaction, so
+that is when the row becomes visible). A single monitor polls the progress table every 10 ms.
+
+rebuild: writes N events of a realistic bookshop mix straight into the event topics, then times
+`rebuild` of every projection; in the same run, the bare rate of reading the same records from
+Kafka with Spark (no decoding) and of COPYing rows of the views' width into Postgres, as ceilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from kafka import KafkaProducer
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from commands.messages import Position
+from events.book import BookAdded
+from events.customer import CustomerRegistered
+from events.order import OrderPaid, OrderPlaced, PlacedLine
+from events.partitioning import partition_for
+from events.serialization import encode, envelope_for
+from stack.local_kafka import LocalKafka
+from stack.local_postgres import LocalPostgres
+from stack.migrate import upgrade
+from stack.procs import free_port, wait_until
+from stack.settings import Settings
+from stack.topics import Topics, create_topics
+from tests.support import SECRET, HttpApi, Processes, token
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+class Stack:
+    def __init__(self) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
+        self.work.chmod(0o755)
+        self.kafka = LocalKafka(Path(".stack/lib"), self.work / "kafka", free_port(), free_port())
+        self.pg = LocalPostgres(self.work / "pg", free_port())
+
+    def __enter__(self) -> Settings:
+        self.kafka.start()
+        self.pg.start()
+        upgrade(self.pg.url)
+        settings = Settings(
+            kafka_bootstrap_servers=self.kafka.bootstrap,
+            database_url=self.pg.url,
+            jwt_secret=SECRET,
+            topic_prefix="bench.",
+            partitions=4,
+        )
+        create_topics(settings)
+        return settings
+
+    def __exit__(self, *exc: object) -> None:
+        self.pg.stop()
+        self.kafka.stop()
+
+
+def freshness(args: argparse.Namespace) -> dict[str, Any]:
+    stack = Stack()
+    with stack as settings:
+        procs = Processes(settings, stack.work)
+        try:
+            procs.processor()
+            procs.projector()
+            _, url = procs.api()
+            procs.wait_processing(url, 1)
+            api = HttpApi(url, token())
+            first = api.command("register-customer", {"name": "warm", "email": "w@example.com"})
+            wait_until(lambda: included(settings, first.body["position"]), 180, "the projector")
+            levels = []
+            for rate in tqdm(args.rates, desc="rates", unit="level"):
+                runs = [one_rate(settings, api, rate, args.duration) for _ in range(args.repeats)]
+                levels.append(
+                    {
+                        "offered_per_s": rate,
+                        "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+                        "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+                        "runs": runs,
+                    }
+                )
+            return {"benchmark": "freshness", "view": "customers", "levels": levels}
+        finally:
+            procs.stop()
+
+
+def included(settings: Settings, token_: str) -> bool:
+    p = Position.parse(token_)
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute(
+            "SELECT offsets ->> %s FROM projection_progress WHERE projection = 'customers'",
+            (f"{p.topic}:{p.partition}",),
+        ).fetchone()
+    return bool(row and row[0] is not None and int(row[0]) >= p.offset)
+
+
+def one_rate(settings: Settings, api: HttpApi, rate: float, duration: float) -> dict[str, Any]:
+    pending: list[tuple[Position, float]] = []
+    lags: list[float] = []
+    lock, done = threading.Lock(), threading.Event()
+
+    def monitor() -> None:
+        with psycopg.connect(settings.database(), autocommit=True) as conn:
+            while not (done.is_set() and not pending):
+                (offsets,) = conn.execute(
+                    "SELECT offsets FROM projection_progress WHERE projection = 'customers'"
+                ).fetchone() or ({},)
+                now = time.perf_counter()
+                with lock:
+                    for item in list(pending):
+                        p, sent = item
+                        if int(offsets.get(f"{p.topic}:{p.partition}", -1)) >= p.offset:
+                            lags.append(now - sent)
+                            pending.remove(item)
+                time.sleep(0.01)
+
+    watcher = threading.Thread(target=monitor)
+    watcher.start()
+    total, start = int(rate * duration), time.perf_counter() + 0.2
+
+    def one(i: int) -> None:
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        n = uuid.uuid4().hex[:8]
+        r = api.command("register-customer", {"name": n, "email": f"{n}@example.com"})
+        if r.status == 201:
+            with lock:
+                pending.append((Position.parse(r.body["position"]), time.perf_counter()))
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        list(pool.map(one, range(total)))
+    done.set()
+    watcher.join(timeout=300)
+    return {
+        "offered_per_s": rate,
+        "visible": len(lags),
+        "p50_ms": percentile(lags, 0.5) * 1e3,
+        "p99_ms": percentile(lags, 0.99) * 1e3,
+    }
+
+
+def write_log(settings: Settings, events: int, seed: int = 3) -> int:
+    """A bookshop log: 5% customers, 1% books, then orders placed and (70%) paid."""
+    rng = random.Random(seed)
+    topics = Topics(settings.topic_prefix)
+    producer = KafkaProducer(
+        bootstrap_servers=settings.kafka(),
+        acks="all",
+        linger_ms=20,
+        batch_size=512 * 1024,
+        compression_type="lz4",
+    )
+    customers, books, written = [], [], 0
+    now = "2026-11-21T10:00:00Z"
+
+    def send(agg: str, agg_id: str, version: int, event: Any) -> None:
+        nonlocal written
+        env = envelope_for(
+            event,
+            event_id=str(uuid.uuid4()),
+            aggregate_type=agg,
+            aggregate_id=agg_id,
+            version=version,
+            occurred_at=now,
+            command_id="bench",
+            correlation_id="bench",
+            causation_id="bench",
+        )
+        producer.send(
+            topics.events(agg),
+            key=f"{agg_id}:{version}".encode(),
+            value=encode(env),
+            partition=partition_for(agg_id, settings.partitions),
+        )
+        written += 1
+
+    with tqdm(total=events, desc="writing the log", unit="ev") as bar:
+        while written < events:
+            before = written
+            roll = rng.random()
+            if roll < 0.05 or not customers:
+                cid = str(uuid.uuid4())
+                customers.append(cid)
+                send("customer", cid, 1, CustomerRegistered(f"C {cid[:6]}", f"{cid[:8]}@x.org"))
+            elif roll < 0.06 or not books:
+                bid = str(uuid.uuid4())
+                books.append((bid, rng.randint(100, 5000), rng.choice("ABCDEFGHIJ")))
+                send("book", bid, 1, BookAdded("T", books[-1][2], books[-1][1], 0.1))
+            else:
+                oid = str(uuid.uuid4())
+                lines = tuple(
+                    PlacedLine(b, rng.randint(1, 3), p, a, 0.1)
+                    for b, p, a in rng.sample(books, k=min(len(books), 2))
+                )
+                total = sum(x.quantity * x.unit_price_cents for x in lines)
+                send("order", oid, 1, OrderPlaced(rng.choice(customers), lines, total))
+                if rng.random() < 0.7:
+                    send("order", oid, 2, OrderPaid(total, lines))
+            bar.update(written - before)
+    producer.flush()
+    producer.close()
+    return written
+
+
+def rebuild(args: argparse.Namespace) -> dict[str, Any]:
+    from projections.registry import PROJECTIONS
+    from spark.decode import read_batch
+    from spark.rebuild import Rebuild
+    from spark.session import session
+
+    with Stack() as settings:
+        written = write_log(settings, args.events)
+        spark = session(settings, "logfold-bench")
+        job = Rebuild(settings, spark)
+        topics = Topics(settings.topic_prefix)
+        everything = [topics.events(a) for a in ("customer", "book", "order")]
+        results: dict[str, Any] = {"benchmark": "rebuild", "events_in_log": written}
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            n = read_batch(spark, settings.kafka(), everything, "earliest", "latest").count()
+            results.setdefault("spark_kafka_read_per_s", []).append(n / (time.perf_counter() - t))
+            results.setdefault("copy_rows_per_s", []).append(copy_rate(settings, 200_000))
+            total_events = total_seconds = 0.0
+            for name, projection in PROJECTIONS.items():
+                report = job.run(projection, verify=False, progress=False)
+                results.setdefault(f"{name}_events_per_s", []).append(
+                    report.events / report.seconds
+                )
+                total_events += report.events
+                total_seconds += report.seconds
+            results.setdefault("all_views_seconds", []).append(total_seconds)
+            results.setdefault("all_views_events_per_s", []).append(total_events / total_seconds)
+        spark.stop()
+        medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+        return {**results, "medians": medians}
+
+
+def copy_rate(settings: Settings, rows: int) -> float:
+    """Rows/s of COPY into a table as wide as `orders`."""
+    with psycopg.connect(settings.database()) as conn:
+        conn.execute("CREATE TEMP TABLE copy_bench (LIKE orders)")
+        t = time.perf_counter()
+        with conn.cursor().copy("COPY copy_bench FROM STDIN") as copy:
+            for i in range(rows):
+                copy.write_row(
+                    (
+                        f"order-{i}",
+                        "c",
+                        "paid",
+                        1999,
+                        2,
+                        "2026-11-21T10:00:00Z",
+                        "2026-11-21T10:01:00Z",
+                        None,
+                        2,
+                    )
+                )
+        conn.commit()
+        return rows / (time.perf_counter() - t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="which", required=True)
+    f = sub.add_parser("freshness", help="command 201 -> row visible, at several rates")
+    f.add_argument("--rates", type=float, nargs="+", default=[10, 25, 50])
+    f.add_argument("--duration", type=float, default=20)
+    f.add_argument("--repeats", type=int, default=3)
+    r = sub.add_parser("rebuild", help="replay throughput over a large log")
+    r.add_argument("--events", type=int, default=1_000_000)
+    r.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    result = freshness(args) if args.which == "freshness" else rebuild(args)
+    print(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Each projection's Spark transform on given events (a local Spark session; no Kafka, no
+Postgres), including windowing with late events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import (
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from events.base import DomainEvent
+from events.book import BookAdded, BookRepriced
+from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
+from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
+from events.serialization import to_data
+from projections import author_royalties, books, customers, orders, sales_by_hour
+
+pytestmark = pytest.mark.spark
+
+T0 = datetime(2026, 11, 21, 10, 15, tzinfo=UTC)
+SCHEMA = StructType(
+    [
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("event_id", StringType()),
+        StructField("type", StringType()),
+        StructField("aggregate_type", StringType()),
+        StructField("aggregate_id", StringType()),
+        StructField("version", LongType()),
+        StructField("occurred_at", TimestampType()),
+        StructField("data", StringType()),
+    ]
+)
+DUNE = PlacedLine("dune", 2, 1000, "Herbert", 0.125)
+EMMA = PlacedLine("emma", 1, 999, "Austen", 0.1)
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    s = (
+        SparkSession.builder.master("local[1]")
+        .appName("logfold-unit")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "1")
+        .getOrCreate()
+    )
+    yield s
+    s.stop()
+
+
+def log(spark: SparkSession, *events: tuple[str, str, int, DomainEvent, Any]) -> DataFrame:
+    """(aggregate type, id, version, event, minutes after T0[, minutes appended late])."""
+    import json
+
+    rows = []
+    for i, (agg, agg_id, version, event, *at) in enumerate(events):
+        occurred = T0 + timedelta(minutes=at[0] if at else i)
+        appended = occurred + timedelta(minutes=at[1] if len(at) > 1 else 0)
+        rows.append(
+            (
+                f"events.{agg}",
+                0,
+                i,
+                appended.replace(tzinfo=None),
+                f"e{i}",
+                event.type_name(),
+                agg,
+                agg_id,
+                version,
+                occurred.replace(tzinfo=None),
+                json.dumps(to_data(event)),
+            )
+        )
+    return spark.createDataFrame(rows, SCHEMA)
+
+
+def rows(df: DataFrame) -> list[dict[str, Any]]:
+    return sorted((r.asDict() for r in df.collect()), key=lambda r: str(list(r.values())))
+
+
+def naive(minutes: float) -> datetime:
+    return (T0 + timedelta(minutes=minutes)).replace(tzinfo=None)
+
+
+def test_customers_take_each_field_from_its_latest_event(spark: SparkSession) -> None:
+    events = log(
+        spark,
+        ("customer", "c1", 1, CustomerRegistered("Ada", "a@x.org"), 0),
+        ("customer", "c1", 2, CustomerRenamed("Ada L"), 1),
+        ("customer", "c1", 3, CustomerEmailChanged("ada@x.org"), 2),
+        ("customer", "c2", 1, CustomerRegistered("Bo", "b@x.org"), 3),
+    )
+    assert rows(customers.transform(events)) == [
+        {
+            "customer_id": "c1",
+            "name": "Ada L",
+            "email": "ada@x.org",
+            "registered_at": naive(0),
+            "version": 3,
+        },
+        {
+            "customer_id": "c2",
+            "name": "Bo",
+            "email": "b@x.org",
+            "registered_at": naive(3),
+            "version": 1,
+        },
+    ]
+
+
+def test_a_batch_without_the_creating_event_yields_a_partial_row(spark: SparkSession) -> None:
+    events = log(spark, ("customer", "c1", 4, CustomerRenamed("New"), 0))
+    assert rows(customers.transform(events)) == [
+        {"customer_id": "c1", "name": "New", "email": None, "registered_at": None, "version": 4}
+    ]
+
+
+def test_orders_follow_status_and_timestamps(spark: SparkSession) -> None:
+    events = log(
+        spark,
+        ("order", "o1", 1, OrderPlaced("c1", (DUNE, EMMA), 2999), 0),
+        ("order", "o1", 2, OrderPaid(2999, (DUNE, EMMA)), 5),
+        ("order", "o1", 3, OrderShipped(), 9),
+        ("order", "o2", 1, OrderPlaced("c2", (EMMA,), 999), 1),
+        ("order", "o2", 2, OrderCancelled("no"), 2),
+    )
+    assert rows(orders.transform(events)) == [
+        {
+            "order_id": "o1",
+            "customer_id": "c1",
+            "status": "shipped",
+            "total_cents": 2999,
+            "line_count": 2,
+            "placed_at": naive(0),
+            "paid_at": naive(5),
+            "shipped_at": naive(9),
+            "version": 3,
+        },
+        {
+            "order_id": "o2",
+            "customer_id": "c2",
+            "status": "cancelled",
+            "total_cents": 999,
+            "line_count": 1,
+            "placed_at": naive(1),
+            "paid_at": None,
+            "shipped_at": None,
+            "version": 2,
+        },
+    ]
+
+
+def test_books_keep_their_details_and_add_up_units_paid(spark: SparkSession) -> None:
+    events = log(
+        spark,
+        ("book", "dune", 1, BookAdded("Dune", "Herbert", 1000, 0.125), 0),
+        ("book", "dune", 2, BookRepriced(1500), 1),
+        ("order", "o1", 2, OrderPaid(2999, (DUNE, EMMA)), 2),
+        ("order", "o2", 2, OrderPaid(2000, (DUNE,)), 3),
+    )
+    assert rows(books.transform(events)) == [
+        {
+            "book_id": "dune",
+            "title": "Dune",
+            "author": "Herbert",
+            "price_cents": 1500,
+            "royalty_rate": 0.125,
+            "units_sold": 4,
+            "version": 2,
+        },
+        {
+            "book_id": "emma",
+            "title": None,
+            "author": None,
+            "price_cents": None,
+            "royalty_rate": None,
+            "units_sold": 1,
+            "version": None,
+        },
+    ]
+
+
+def test_royalties_count_paid_orders_only_rounding_half_up_per_line(spark: SparkSession) -> None:
+    odd = PlacedLine("x", 1, 5, "Herbert", 0.1)  # 0.5 cent rounds up to 1
+    events = log(
+        spark,
+        ("order", "o1", 1, OrderPlaced("c1", (DUNE,), 2000), 0),
+        ("order", "o1", 2, OrderPaid(2000, (DUNE, odd)), 1),
+        ("order", "o2", 2, OrderPaid(999, (EMMA,)), 2),
+    )
+    assert rows(author_royalties.transform(events)) == [
+        {"author": "Austen", "royalty_cents": 100, "units_sold": 1},
+        {"author": "Herbert", "royalty_cents": 251, "units_sold": 3},
+    ]
+    assert author_royalties.royalty_cents(1, 5, 0.1) == 1
+    assert author_royalties.royalty_cents(2, 1000, 0.125) == 250
+
+
+def test_sales_windows_are_hourly_in_event_time_and_late_events_are_set_aside(
+    spark: SparkSession,
+) -> None:
+    events = log(
+        spark,
+        ("order", "o1", 2, OrderPaid(2000, (DUNE,)), 0),  # 10:15
+        ("order", "o2", 2, OrderPaid(2000, (DUNE,)), 50),  # 11:05
+        ("order", "o3", 2, OrderPaid(999, (EMMA,)), 44, 9),  # 10:59, 9 min late: ok
+        ("order", "o4", 2, OrderPaid(2000, (DUNE,)), 30, 11),
+    )  # 10:45, 11 min late
+    assert rows(sales_by_hour.transform(events)) == [
+        {
+            "book_id": "dune",
+            "window_start": datetime(2026, 11, 21, 10),
+            "units": 2,
+            "revenue_cents": 2000,
+        },
+        {
+            "book_id": "dune",
+            "window_start": datetime(2026, 11, 21, 11),
+            "units": 2,
+            "revenue_cents": 2000,
+        },
+        {
+            "book_id": "emma",
+            "window_start": datetime(2026, 11, 21, 10),
+            "units": 1,
+            "revenue_cents": 999,
+        },
+    ]
+    [late] = rows(sales_by_hour.late(events))
+    assert (late["event_id"], late["occurred_at"]) == ("e3", naive(30))
+    assert late["watermark"] == naive(31)
