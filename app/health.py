@@ -34,6 +34,8 @@ class HealthChecks:
             "postgres": self.postgres,
             "command_processing": self.command_processing,
         }
+        if self.read_model is not None:
+            checks["projections"] = self.projections
         futures = {name: self._pool.submit(fn) for name, fn in checks.items()}
         deadline = time.monotonic() + self.timeout
         results: dict[str, Status] = {}

@@ -34,7 +34,10 @@ def coerce(column: sa.Column[Any], value: Any) -> Any:
             return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
         if kind is int and isinstance(value, str) and not value.lstrip("-").isdigit():
             raise ValueError(value)
-        return kind(value)
+        result = kind(value)
+        if isinstance(result, str) and "\x00" in result:
+            raise ValueError(value)  # Postgres text cannot hold NUL
+        return result
     except (TypeError, ValueError) as e:
         raise BadValue(f"{value!r} is not a valid {column.name}") from e
 
