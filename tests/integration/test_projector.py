@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -78,8 +79,11 @@ def test_a_read_with_the_commands_position_sees_the_write(
     # The first read may come before Spark has started; a 504 says so, and we ask again.
     answers = []
     url = f"/views/customers/{cid}?consistent_with={position}&wait=30"
-    wait_until(lambda: answers.append(client.get(url, headers=AUTH)) or answers[-1].status_code
-               != 504, 180, "the customer in the view")  # fmt: skip
+    wait_until(
+        lambda: answers.append(client.get(url, headers=AUTH)) or answers[-1].status_code != 504,
+        180,
+        "the customer in the view",
+    )
     row = answers[-1]
     assert row.status_code == 200, row.json
     assert {a.status_code for a in answers} <= {200, 504}
@@ -152,6 +156,67 @@ def test_replaying_already_applied_events_changes_nothing(
         batch = decode_events(read_batch(spark, deployment.kafka(), names, "earliest", "latest"))
         LiveSink(projection, deployment.database())(batch, 0)
     assert actual(deployment) == before
+
+
+def test_a_late_payment_is_kept_out_of_windows_but_counted_and_reported(
+    client: FlaskClient, procs: Processes, deployment: Settings, workload: Workload
+) -> None:
+    """A payment written with an event time three hours before its append time (as a backfill or a
+    skewed clock would) is past the watermark."""
+    from datetime import UTC, datetime, timedelta
+
+    from kafka import KafkaProducer
+
+    from events.order import OrderPaid, OrderPlaced, PlacedLine
+    from events.partitioning import partition_for
+    from events.serialization import encode, envelope_for
+    from stack.topics import Topics
+
+    order_id, long_ago = f"late-{uuid.uuid4().hex[:8]}", datetime.now(UTC) - timedelta(hours=3)
+    book = next(iter(workload.books))
+    line = PlacedLine(book, 3, 700, "Backfill", 0.2)
+    producer = KafkaProducer(bootstrap_servers=deployment.kafka(), acks="all")
+    for version, event, at in (
+        (1, OrderPlaced("c-late", (line,), 2100), long_ago),
+        (2, OrderPaid(2100, (line,)), long_ago),
+    ):
+        env = envelope_for(
+            event,
+            event_id=str(uuid.uuid4()),
+            aggregate_type="order",
+            aggregate_id=order_id,
+            version=version,
+            occurred_at=at.isoformat().replace("+00:00", "Z"),
+            command_id="test",
+            correlation_id="test",
+            causation_id="test",
+        )
+        producer.send(
+            Topics(deployment.topic_prefix).events("order"),
+            value=encode(env),
+            key=f"{order_id}:{version}".encode(),
+            partition=partition_for(order_id, deployment.partitions),
+        )
+    producer.flush()
+    producer.close()
+    caught_up(deployment)
+    assert differences(deployment) == {}
+    with psycopg.connect(deployment.database()) as conn:
+        late = conn.execute("SELECT count(*) FROM late_events").fetchone()[0]  # type: ignore[index]
+        hour = long_ago.replace(minute=0, second=0, microsecond=0)
+        windows = conn.execute(
+            "SELECT count(*) FROM sales_by_hour WHERE book_id = %s AND window_start = %s",
+            (book, hour),
+        )
+        assert (late, windows.fetchone()[0]) == (1, 0)  # type: ignore[index]
+        royalty = conn.execute(
+            "SELECT royalty_cents FROM author_royalties WHERE author = 'Backfill'"
+        )
+        assert royalty.fetchone() == (420,)
+    health = client.get("/health").json["components"]["projection:sales_by_hour"]
+    assert health["late_events"] == 1
+    metrics = client.get("/metrics", headers=AUTH).get_data(as_text=True)
+    assert 'logfold_late_events{component="projection:sales_by_hour"} 1.0' in metrics
 
 
 def test_rebuild_all_verify_while_commands_flow(
