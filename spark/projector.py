@@ -84,5 +84,8 @@ class Projector:
         self._stopping.set()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # under spark-submit; `logfold projector` is the usual entry point
+    from stack import logs
+
+    logs.configure(Settings().log_level)
     Projector(Settings()).run()

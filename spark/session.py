@@ -21,19 +21,23 @@ def kafka_jars(settings: Settings) -> list[str]:
 
 
 def session(settings: Settings, app_name: str) -> SparkSession:
+    """A session on `LOGFOLD_SPARK_MASTER`; under `spark-submit`, its --master and --jars win."""
     # Python workers must run in this interpreter's environment (where pandas and Logfold are).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (
-        SparkSession.builder.appName(app_name)
-        .master(settings.spark_master)
-        .config("spark.jars", ",".join(kafka_jars(settings)))
-        .config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
+    builder = SparkSession.builder.appName(app_name)
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which set these
+        builder = (
+            builder.master(settings.spark_master)
+            .config("spark.jars", ",".join(kafka_jars(settings)))
+            .config("spark.driver.memory", settings.spark_driver_memory)
+        )
+    spark = (
+        builder.config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", settings.spark_driver_memory)
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
+        .getOrCreate()
     )
-    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark

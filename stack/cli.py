@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
+from typing import Protocol
 
 import click
 
@@ -81,35 +83,37 @@ def api(host: str | None, port: int | None, workers: int) -> None:
 @main.command()
 def processor() -> None:
     """Run a command processor (one member of the processors' consumer group)."""
-    import signal
-
     from commands.processor import CommandProcessor
-    from stack import logs
 
-    settings = _settings()
-    logs.configure(settings.log_level)
-    _require_topics(settings)
-    proc = CommandProcessor(settings)
-    signal.signal(signal.SIGTERM, lambda *_: proc.stop())
-    signal.signal(signal.SIGINT, lambda *_: proc.stop())
-    proc.run()
+    _serve(CommandProcessor)
 
 
 @main.command()
 def projector() -> None:
     """Run the Spark projector: folds the event log into the read views, continuously."""
+    from spark.projector import Projector
+
+    _serve(Projector)
+
+
+class _Service(Protocol):
+    def run(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+def _serve(make: Callable[[Settings], _Service]) -> None:
+    """Run a long-lived worker until SIGTERM or Ctrl-C, after checking the topics."""
     import signal
 
-    from spark.projector import Projector
     from stack import logs
 
     settings = _settings()
     logs.configure(settings.log_level)
     _require_topics(settings)
-    job = Projector(settings)
-    signal.signal(signal.SIGTERM, lambda *_: job.stop())
-    signal.signal(signal.SIGINT, lambda *_: job.stop())
-    job.run()
+    service = make(settings)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    signal.signal(signal.SIGINT, lambda *_: service.stop())
+    service.run()
 
 
 @main.command()

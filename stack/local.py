@@ -140,6 +140,7 @@ def run(settings: Settings) -> None:
             f"""
 Logfold is running.
   API        {base}   (docs: {base}/docs, contract: {base}/openapi.json)
+  views      {base}/views   (Spark projector: {settings.spark_master})
   health     {base}/health
   Kafka      {settings.kafka()}
   Postgres   {settings.database()}
