@@ -172,7 +172,6 @@ def write_log(settings: Settings, events: int, seed: int = 3) -> int:
         acks="all",
         linger_ms=20,
         batch_size=512 * 1024,
-        compression_type="lz4",
     )
     customers, books, written = [], [], 0
     now = "2026-11-21T10:00:00Z"

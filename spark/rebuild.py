@@ -73,8 +73,7 @@ class Rebuild:
         started = time.monotonic()
         events = self._read(projection, "earliest", "latest").persist()
         try:
-            total = events.count()
-            covered = last_offsets(events)
+            covered, total = last_offsets(events)
             with psycopg.connect(self.url, autocommit=True) as conn:
                 for output in projection.outputs:
                     conn.execute(f"DROP TABLE IF EXISTS {output.name}{SHADOW}")

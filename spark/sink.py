@@ -56,9 +56,14 @@ def unapplied(events: DataFrame, offsets: Offsets) -> DataFrame:
     return events.where(F.col("offset") > F.coalesce(last[key], F.lit(-1)))
 
 
-def last_offsets(events: DataFrame) -> Offsets:
-    rows = events.groupBy("topic", "partition").agg(F.max("offset").alias("o")).collect()
-    return {f"{r['topic']}:{r['partition']}": int(r["o"]) for r in rows}
+def last_offsets(events: DataFrame) -> tuple[Offsets, int]:
+    """The last offset of each topic-partition in `events`, and how many events there are."""
+    rows = (
+        events.groupBy("topic", "partition")
+        .agg(F.max("offset").alias("o"), F.count("*").alias("n"))
+        .collect()
+    )
+    return {f"{r['topic']}:{r['partition']}": int(r["o"]) for r in rows}, sum(r["n"] for r in rows)
 
 
 def wire_rows(rows: DataFrame) -> DataFrame:
@@ -110,7 +115,7 @@ def apply_events(
     new offsets, the number of events applied and of late events. The caller commits."""
     fresh = unapplied(events, offsets).persist()
     try:
-        seen = last_offsets(fresh)
+        seen, applied = last_offsets(fresh)
         if not seen:
             return offsets, 0, 0
         late = 0
@@ -118,7 +123,6 @@ def apply_events(
             merged = merge_output(conn, output, fresh, output.name + suffix)
             if output.late:
                 late += merged
-        applied = fresh.count()
         return {**offsets, **seen}, applied, late
     finally:
         fresh.unpersist()
