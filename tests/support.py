@@ -12,9 +12,12 @@ from typing import Any
 
 import psycopg
 import requests
+from kafka import KafkaProducer
 
 from app.auth import SCOPES, issue_token
-from events.serialization import Envelope
+from events.base import DomainEvent
+from events.partitioning import partition_for
+from events.serialization import Envelope, encode, envelope_for
 from events.store import read_events
 from stack.migrate import upgrade
 from stack.procs import free_port, stop_process, wait_until
@@ -42,6 +45,37 @@ def new_deployment(base: Settings, **overrides: Any) -> Settings:
     )
     create_topics(settings)
     return settings
+
+
+def append_events(
+    settings: Settings,
+    aggregate_type: str,
+    aggregate_id: str,
+    *events: tuple[int, DomainEvent, str],
+) -> None:
+    """Write (version, event, occurred_at ISO) straight into the log, as the processor would:
+    for tests that need events the domain would not produce now (old or late ones)."""
+    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    for version, event, occurred_at in events:
+        envelope = envelope_for(
+            event,
+            event_id=str(uuid.uuid4()),
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            version=version,
+            occurred_at=occurred_at,
+            command_id="test",
+            correlation_id="test",
+            causation_id="test",
+        )
+        producer.send(
+            Topics(settings.topic_prefix).events(aggregate_type),
+            key=f"{aggregate_id}:{version}".encode(),
+            value=encode(envelope),
+            partition=partition_for(aggregate_id, settings.partitions),
+        )
+    producer.flush()
+    producer.close()
 
 
 def log_of(settings: Settings, aggregate_type: str) -> list[Envelope]:

@@ -21,7 +21,7 @@ from app.read_model import ReadModel
 from stack.procs import wait_until
 from stack.settings import Settings
 from tests.oracle import actual, differences
-from tests.support import REPO, Processes, child_env, token
+from tests.support import REPO, Processes, append_events, child_env, token
 from tests.workload import Workload
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -165,40 +165,18 @@ def test_a_late_payment_is_kept_out_of_windows_but_counted_and_reported(
     skewed clock would) is past the watermark."""
     from datetime import UTC, datetime, timedelta
 
-    from kafka import KafkaProducer
-
     from events.order import OrderPaid, OrderPlaced, PlacedLine
-    from events.partitioning import partition_for
-    from events.serialization import encode, envelope_for
-    from stack.topics import Topics
 
     order_id, long_ago = f"late-{uuid.uuid4().hex[:8]}", datetime.now(UTC) - timedelta(hours=3)
-    book = next(iter(workload.books))
-    line = PlacedLine(book, 3, 700, "Backfill", 0.2)
-    producer = KafkaProducer(bootstrap_servers=deployment.kafka(), acks="all")
-    for version, event, at in (
-        (1, OrderPlaced("c-late", (line,), 2100), long_ago),
-        (2, OrderPaid(2100, (line,)), long_ago),
-    ):
-        env = envelope_for(
-            event,
-            event_id=str(uuid.uuid4()),
-            aggregate_type="order",
-            aggregate_id=order_id,
-            version=version,
-            occurred_at=at.isoformat().replace("+00:00", "Z"),
-            command_id="test",
-            correlation_id="test",
-            causation_id="test",
-        )
-        producer.send(
-            Topics(deployment.topic_prefix).events("order"),
-            value=encode(env),
-            key=f"{order_id}:{version}".encode(),
-            partition=partition_for(order_id, deployment.partitions),
-        )
-    producer.flush()
-    producer.close()
+    at = long_ago.isoformat().replace("+00:00", "Z")
+    line = PlacedLine(next(iter(workload.books)), 3, 700, "Backfill", 0.2)
+    append_events(
+        deployment,
+        "order",
+        order_id,
+        (1, OrderPlaced("c-late", (line,), 2100), at),
+        (2, OrderPaid(2100, (line,)), at),
+    )
     caught_up(deployment)
     assert differences(deployment) == {}
     with psycopg.connect(deployment.database()) as conn:
@@ -206,7 +184,7 @@ def test_a_late_payment_is_kept_out_of_windows_but_counted_and_reported(
         hour = long_ago.replace(minute=0, second=0, microsecond=0)
         windows = conn.execute(
             "SELECT count(*) FROM sales_by_hour WHERE book_id = %s AND window_start = %s",
-            (book, hour),
+            (line.book_id, hour),
         )
         assert (late, windows.fetchone()[0]) == (1, 0)  # type: ignore[index]
         royalty = conn.execute(

@@ -11,16 +11,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from kafka import KafkaProducer
 
 from events.customer import CustomerRegistered
-from events.partitioning import partition_for
-from events.serialization import encode, envelope_for
 from spark.session import kafka_jars
 from stack.procs import wait_until
 from stack.settings import Settings
-from stack.topics import Topics
-from tests.support import REPO, child_env, new_deployment
+from tests.support import REPO, append_events, child_env, new_deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -28,26 +24,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_spark_submit_runs_the_projector(base_settings: Settings, tmp_path: Path) -> None:
     settings = new_deployment(base_settings)
     customer = str(uuid.uuid4())
-    env = envelope_for(
-        CustomerRegistered("Sub", "sub@example.com"),
-        event_id=str(uuid.uuid4()),
-        aggregate_type="customer",
-        aggregate_id=customer,
-        version=1,
-        occurred_at="2026-11-21T10:00:00Z",
-        command_id="t",
-        correlation_id="t",
-        causation_id="t",
+    append_events(
+        settings,
+        "customer",
+        customer,
+        (1, CustomerRegistered("Sub", "sub@example.com"), "2026-11-21T10:00:00Z"),
     )
-    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
-    producer.send(
-        Topics(settings.topic_prefix).events("customer"),
-        value=encode(env),
-        key=f"{customer}:1".encode(),
-        partition=partition_for(customer, settings.partitions),
-    )
-    producer.flush()
-    producer.close()
 
     submit = Path(sys.executable).parent / "spark-submit"
     log = (tmp_path / "spark-submit.log").open("wb")
