@@ -16,6 +16,7 @@ from commands.messages import Position
 from projections.base import Output, Projection
 from projections.progress import table as progress_table
 from projections.registry import PROJECTIONS
+from projections.wire import wire_row
 from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
 from stack.topics import Topics
@@ -58,12 +59,7 @@ def decode_cursor(cursor: str, size: int) -> list[Any]:
 
 
 def jsonable(row: sa.Row[Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in row._mapping.items():
-        if isinstance(value, datetime):
-            value = value.astimezone(UTC).isoformat().replace("+00:00", "Z")
-        out[key] = value
-    return out
+    return wire_row(dict(row._mapping))
 
 
 class ReadModel:

@@ -3,6 +3,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+import cdc.state  # noqa: F401
 import projections.progress
 import projections.registry  # noqa: F401  (loads every view's table)
 from projections import metadata

@@ -25,6 +25,11 @@ command -v java >/dev/null || missing+=(default-jdk-headless)
 command -v mvn >/dev/null || missing+=(maven)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing+=(postgresql)
 command -v python3 >/dev/null || missing+=(python3 python3-venv)
+# The test suite drives the live page in headless Chromium (Debian's build and its driver).
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v chromedriver >/dev/null || missing+=(chromium-driver)
+fi
 if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
 
 stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${EXTRAS//,/_}"

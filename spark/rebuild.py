@@ -4,9 +4,11 @@
    offsets), transform it with the projection's own transforms, and bulk-load the rows (COPY)
    into shadow tables `<table>__rebuild`.
 2. Catch the shadow up, in batches, to whatever the live projector has applied meanwhile.
-3. Holding the projection's progress lock (live batches wait): apply the last few events, swap
-   the shadow in with renames (readers see the old table until the commit, then the new one),
-   and optionally compare old and new row for row. Other projections are not touched.
+3. Holding the projection's progress lock (live batches wait): apply the last few events,
+   optionally compare live and shadow row for row, then make the live table equal to the shadow
+   by writing only the rows that differ (usually none), all in one transaction: readers see the
+   old rows until the commit, and CDC sees each real change, so changelogs, joined views and
+   websocket subscribers follow. Other projections are not touched.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from spark.sink import (
     last_offsets,
     lock_progress,
     read_progress,
+    replace_contents,
     wire_rows,
 )
 from stack.settings import Settings
@@ -37,7 +40,7 @@ from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
-SHADOW, OLD = "__rebuild", "__old"
+SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
 
 
@@ -135,16 +138,13 @@ class Rebuild:
             if behind_shadow:
                 batch = self._between(projection, live, {**live, **behind_shadow})
                 live, applied, late = apply_events(conn, projection, batch, live)
-            for output in projection.outputs:
-                t = output.name
-                conn.execute(f"ALTER TABLE {t} RENAME TO {t}{OLD}")
-                conn.execute(f"ALTER TABLE {t}{SHADOW} RENAME TO {t}")
-                report.rows[t] = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
             if verify:
                 report.differences = {o.name: _differences(conn, o) for o in projection.outputs}
             for output in projection.outputs:
-                conn.execute(f"DROP TABLE {output.name}{OLD}")
-                _rename_indexes(conn, output.name)
+                t = output.name
+                replace_contents(conn, t, t + SHADOW, output.key, output.columns)
+                conn.execute(f"DROP TABLE {t}{SHADOW}")
+                report.rows[t] = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
             conn.execute(
                 "UPDATE projection_progress SET offsets = %s, generation = generation + 1, "
                 "events_applied = events_applied + %s, late_events = late_events + %s, "
@@ -154,25 +154,19 @@ class Rebuild:
         return report
 
 
-def _differences(conn: psycopg.Connection[Any], output: Output) -> list[Any]:
-    cols = ", ".join(output.columns)
-    t = output.name
+def differences(conn: psycopg.Connection[Any], live: str, rebuilt: str, columns: str) -> list[Any]:
+    """Rows only in `live` or only in `rebuilt` (as multisets), at most 1000."""
     rows = conn.execute(
-        f"(SELECT 'only_in_live' AS side, {cols} FROM {t}{OLD} EXCEPT ALL "
-        f" SELECT 'only_in_live', {cols} FROM {t}) UNION ALL "
-        f"(SELECT 'only_in_rebuild', {cols} FROM {t} EXCEPT ALL "
-        f" SELECT 'only_in_rebuild', {cols} FROM {t}{OLD}) LIMIT 1000"
+        f"(SELECT 'only_in_live' AS side, {columns} FROM {live} EXCEPT ALL "
+        f" SELECT 'only_in_live', {columns} FROM {rebuilt}) UNION ALL "
+        f"(SELECT 'only_in_rebuild', {columns} FROM {rebuilt} EXCEPT ALL "
+        f" SELECT 'only_in_rebuild', {columns} FROM {live}) LIMIT 1000"
     ).fetchall()
     return [tuple(r) for r in rows]
 
 
-def _rename_indexes(conn: psycopg.Connection[Any], table: str) -> None:
-    """`LIKE … INCLUDING ALL` named the shadow's indexes after it; give them the usual names."""
-    for (index,) in conn.execute(
-        "SELECT indexname FROM pg_indexes WHERE tablename = %s AND indexname LIKE %s",
-        (table, f"{table}{SHADOW}%"),
-    ).fetchall():
-        conn.execute(f"ALTER INDEX {index} RENAME TO {index.replace(table + SHADOW, table, 1)}")
+def _differences(conn: psycopg.Connection[Any], output: Output) -> list[Any]:
+    return differences(conn, output.name, output.name + SHADOW, ", ".join(output.columns))
 
 
 class _TaskProgress:

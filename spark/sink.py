@@ -128,6 +128,33 @@ def apply_events(
         fresh.unpersist()
 
 
+def replace_contents(
+    conn: psycopg.Connection[Any],
+    target: str,
+    source: str,
+    key: tuple[str, ...],
+    columns: tuple[str, ...],
+) -> int:
+    """Make `target` hold exactly the rows of `source` by writing only the differences: rows
+    that changed are updated, new ones inserted, missing ones deleted. Readers see the old
+    contents until the caller commits, and CDC sees each real change as a normal row change.
+    Returns how many rows were written."""
+    cols, keys = ", ".join(columns), ", ".join(key)
+    sets = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in key)
+    action = f"DO UPDATE SET {sets}" if sets else "DO NOTHING"
+    upserted = conn.execute(
+        f"INSERT INTO {target} ({cols}) "
+        f"SELECT {cols} FROM (SELECT {cols} FROM {source} EXCEPT SELECT {cols} FROM {target}) d "
+        f"ON CONFLICT ({keys}) {action}"
+    ).rowcount
+    deleted = conn.execute(
+        f"DELETE FROM {target} t USING "
+        f"(SELECT {keys} FROM {target} EXCEPT SELECT {keys} FROM {source}) gone "
+        f"WHERE {' AND '.join(f't.{k} = gone.{k}' for k in key)}"
+    ).rowcount
+    return max(upserted, 0) + max(deleted, 0)
+
+
 def save_progress(
     conn: psycopg.Connection[Any], projection: str, offsets: Offsets, applied: int, late: int
 ) -> None:

@@ -38,6 +38,16 @@ class Settings(BaseSettings):
     spark_driver_memory: str = "1g"
     projector_trigger_s: float = Field(default=0.5, gt=0)
 
+    cdc_slot: str | None = None  # default: logfold_cdc_<database>
+
+    ws_max_subscriptions: int = Field(default=20, ge=1)  # per connection
+    ws_max_message_bytes: int = Field(default=16 * 1024, ge=256)  # client -> server
+    ws_buffer: int = Field(default=1000, ge=2)  # messages queued per client before 4008
+    ws_snapshot_rows: int = Field(default=10_000, ge=1)
+    ws_heartbeat_s: float = Field(default=10.0, gt=0)
+    ws_replay: int = Field(default=10_000, ge=0)  # recent changes kept per table for `since`
+    ws_socket_buffer_bytes: int = Field(default=256 * 1024, ge=4096)
+
     jwt_secret: str | None = None
     command_timeout_s: float = Field(default=10.0, gt=0)
     kafka_timeout_s: float = Field(default=5.0, gt=0)

@@ -21,6 +21,7 @@ class TopicSpec:
     name: str
     purpose: str
     configs: dict[str, str] = field(default_factory=dict)
+    partitions: int | None = None  # None: the deployment's partition count
 
 
 class Topics:
@@ -55,6 +56,12 @@ class Topics:
     def transactional_id(self, partition: int) -> str:
         return f"{self.prefix}logfold-command-partition-{partition}"
 
+    def cdc(self, table: str) -> str:
+        return f"{self.prefix}cdc.{table}"
+
+    def table_of(self, cdc_topic: str) -> str:
+        return cdc_topic.removeprefix(f"{self.prefix}cdc.")
+
     def specs(self) -> list[TopicSpec]:
         compact = {"cleanup.policy": "compact", "retention.ms": "-1", "min.compaction.lag.ms": "0"}
         return [
@@ -78,7 +85,19 @@ class Topics:
                 "command outcomes for the API process waiting on them",
                 {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
             ),
+            # One partition: a table's changelog is one total order (commit order), which is
+            # what websocket positions and `since` rely on.
+            *(
+                TopicSpec(self.cdc(t), f"changelog of table {t}", compact, partitions=1)
+                for t in captured_tables()
+            ),
         ]
+
+
+def captured_tables() -> list[str]:
+    from projections.registry import CAPTURED  # the projections' import is heavy (Spark)
+
+    return list(CAPTURED)
 
 
 class TopicMisconfigured(RuntimeError):
@@ -107,7 +126,7 @@ def create_topics(settings: Settings) -> list[str]:
                     [
                         NewTopic(
                             spec.name,
-                            settings.partitions,
+                            spec.partitions or settings.partitions,
                             settings.replication_factor,
                             topic_configs=spec.configs,
                         )
@@ -141,7 +160,11 @@ def check_topics(settings: Settings) -> None:
                 continue
             present.append(spec)
             count = len(topic["partitions"])
-            if count != settings.partitions:
+            if spec.partitions is not None and count != spec.partitions:
+                problems.append(
+                    f"topic {spec.name} has {count} partitions, expected {spec.partitions}"
+                )
+            elif spec.partitions is None and count != settings.partitions:
                 problems.append(
                     f"topic {spec.name} has {count} partitions, expected {settings.partitions} "
                     "(LOGFOLD_PARTITIONS); all Logfold topics must share one partition count"

@@ -1,0 +1,1 @@
+"""Change data capture: the WAL of the captured Postgres tables as `cdc.<table>` changelogs."""
