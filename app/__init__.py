@@ -8,13 +8,16 @@ from typing import Any
 
 from flask import Flask
 
-from app import commands_api, errors, ops, views_api
+from app import commands_api, errors, ops, views_api, ws_api
 from app.health import HealthChecks
+from app.live import Hub
 from app.metrics import Metrics
 from app.openapi import build_spec
 from app.read_model import ReadModel
 from commands.bus import CommandBus
+from projections.registry import CAPTURED
 from stack.settings import Settings
+from stack.topics import Topics
 
 
 def create_app(settings: Settings, **overrides: Any) -> Flask:
@@ -34,8 +37,14 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.extensions["logfold.health"] = overrides.get("health") or HealthChecks(settings, read_model)
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
+    topics = Topics(settings.topic_prefix)
+    app.extensions["logfold.hub"] = overrides.get("hub") or Hub(
+        settings.kafka(), {t: topics.cdc(t) for t in CAPTURED}, settings.ws_replay
+    )
+    app.config["SOCK_SERVER_OPTIONS"] = {"max_message_size": settings.ws_max_message_bytes}
     errors.register(app)
     app.register_blueprint(ops.bp)
     app.register_blueprint(commands_api.bp)
     app.register_blueprint(views_api.bp)
+    app.register_blueprint(ws_api.bp)
     return app

@@ -12,6 +12,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from app.read_model import ReadModel
+from cdc.capture import slot_name
 from stack.settings import Settings
 from stack.topics import Topics
 
@@ -33,6 +34,7 @@ class HealthChecks:
             "kafka": self.kafka,
             "postgres": self.postgres,
             "command_processing": self.command_processing,
+            "cdc": self.cdc,
         }
         if self.read_model is not None:
             checks["projections"] = self.projections
@@ -67,6 +69,38 @@ class HealthChecks:
                 "late_events": lag["late_events"],
             }
         return {"each": each}
+
+    def cdc(self) -> Status:
+        """The replication slot: is a CDC process attached, how far behind it is (bytes of WAL
+        not yet confirmed, and seconds by the server's own measure), and how much WAL the slot
+        makes the server keep. `wal_status` `lost` means the slot fell beyond
+        `max_slot_wal_keep_size`: drop it (`logfold cdc --drop-slot`) and start CDC again."""
+        slot = slot_name(self.settings)
+        with psycopg.connect(self.settings.database(), connect_timeout=int(self.timeout)) as conn:
+            row = conn.execute(
+                "SELECT s.active, s.wal_status, "
+                "pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint, "
+                "pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint, "
+                "s.safe_wal_size, extract(epoch FROM r.flush_lag)::float8 "
+                "FROM pg_replication_slots s "
+                "LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
+                "WHERE s.slot_name = %s",
+                (slot,),
+            ).fetchone()
+        if row is None:
+            return {"status": "down", "slot": slot, "error": "no replication slot: start CDC"}
+        active, wal_status, lag, retained, safe, seconds = row
+        up = active and wal_status in ("reserved", "extended")
+        return {
+            "status": "up" if up else "down",
+            "slot": slot,
+            "active": active,
+            "wal_status": wal_status,
+            "lag_bytes": lag,
+            "lag_seconds": round(seconds or 0.0, 3),
+            "retained_wal_bytes": retained,
+            "wal_left_before_slot_is_lost_bytes": safe,
+        }
 
     def _admin(self) -> KafkaAdminClient:
         return KafkaAdminClient(

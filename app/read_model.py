@@ -16,7 +16,7 @@ from commands.messages import Position
 from projections.base import Output, Projection
 from projections.progress import table as progress_table
 from projections.registry import PROJECTIONS
-from projections.wire import wire_row
+from projections.wire import wire_row, wire_value
 from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
 from stack.topics import Topics
@@ -106,6 +106,30 @@ class ReadModel:
         with self.engine.connect() as conn:
             found = conn.execute(query).first()
         return jsonable(found) if found else None
+
+    def filter_values(self, output: Output, filters: dict[str, Any]) -> dict[str, Any]:
+        """Filter values checked against their columns, in wire form (as rows carry them)."""
+        t = output.table
+        return {c: None if v is None else wire_value(coerce(t.c[c], v)) for c, v in filters.items()}
+
+    def snapshot(
+        self, output: Output, filters: dict[str, Any], limit: int
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The rows matching `filters` (at most limit + 1) and the WAL position they are exact
+        at: the table is share-locked (writers wait a moment, readers do not) so every
+        transaction that wrote it before the position is visible and none after."""
+        t = output.table
+        query = sa.select(t).order_by(*(t.c[k] for k in output.key)).limit(limit + 1)
+        for column, value in filters.items():
+            c = t.c[column]
+            query = query.where(c.is_(None) if value is None else c == coerce(c, value))
+        with self.engine.begin() as conn:
+            conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
+            conn.execute(sa.text(f"LOCK TABLE {t.name} IN SHARE MODE"))
+            lsn = conn.execute(sa.text("SELECT pg_current_wal_insert_lsn()::text")).scalar_one()
+            found = conn.execute(query).fetchall()
+        high, _, low = lsn.partition("/")
+        return [jsonable(r) for r in found], (int(high, 16) << 32) | int(low, 16)
 
     def progress(self) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:

@@ -214,15 +214,20 @@ class Capture:
         table = self.tables.get(relation.name)
         if table is None:
             return None
-        before = self._row(relation, message.old) if not isinstance(message, pgoutput.Insert) else None
         if isinstance(message, pgoutput.Delete):
+            before = self._row(relation, message.old)
             assert before is not None
             return Change(relation.name, "delete", self._key(table, before), None, before, position)
+        if isinstance(message, pgoutput.Insert):
+            row = self._row(relation, message.new)
+            assert row is not None
+            return Change(relation.name, "insert", self._key(table, row), row, None, position)
+        before = self._row(relation, message.old)
         row = self._row(relation, message.new, fill=before)
-        if isinstance(message, pgoutput.Update) and row == before:
+        assert row is not None
+        if row == before:
             return None  # nothing changed (e.g. an upsert that wrote the same values)
-        op = "insert" if isinstance(message, pgoutput.Insert) else "update"
-        return Change(relation.name, op, self._key(table, row), row, before, position)
+        return Change(relation.name, "update", self._key(table, row), row, before, position)
 
     @staticmethod
     def _row(
@@ -308,4 +313,3 @@ def _parse_lsn(text: str) -> int:
 
 def format_lsn(lsn: int) -> str:
     return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
-

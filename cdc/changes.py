@@ -39,8 +39,8 @@ class Change:
     position: Position
 
 
-def _json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+def _json(value: Any, canonical: bool = False) -> bytes:
+    return json.dumps(value, sort_keys=canonical, separators=(",", ":")).encode()
 
 
 def record_for(
@@ -53,8 +53,9 @@ def record_for(
         headers.append(("committed_at", stamp.encode()))
     if change.op == "delete":
         headers.append(("before", _json(change.before)))
-        return _json(change.key), None, headers
-    return _json(change.key), _json({"row": change.row, "before": change.before}), headers
+        return _json(change.key, canonical=True), None, headers
+    value = _json({"row": change.row, "before": change.before})
+    return _json(change.key, canonical=True), value, headers
 
 
 def from_record(

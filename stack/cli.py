@@ -96,6 +96,26 @@ def projector() -> None:
     _serve(Projector)
 
 
+@main.command()
+@click.option(
+    "--drop-slot",
+    is_flag=True,
+    help="Drop the replication slot and publication instead (frees the WAL they hold; the next "
+    "start takes a new first snapshot).",
+)
+def cdc(drop_slot: bool) -> None:
+    """Stream the view tables' (and registered plain tables') changes from the Postgres WAL
+    into the compacted cdc.<table> topics (see docs/cdc.md)."""
+    from cdc.capture import Capture, drop, slot_name
+
+    if drop_slot:
+        settings = _settings()
+        found = drop(settings)
+        click.echo(f"{'dropped' if found else 'no'} slot {slot_name(settings)}")
+        return
+    _serve(Capture)
+
+
 class _Service(Protocol):
     def run(self) -> None: ...
     def stop(self) -> None: ...

@@ -100,6 +100,7 @@ class LocalStack:
         for _ in range(s.processors):
             self.spawn("processor")
         self.spawn("projector")
+        self.spawn("cdc")
         self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)

@@ -1,0 +1,322 @@
+"""Pushing view changes to websocket subscribers: the hub, its clients and their subscriptions.
+
+The hub follows the `cdc.<table>` changelogs (one consumer per API process) and hands each change
+to the subscriptions it concerns. Every change carries its position in the WAL, so:
+
+- a subscription starts with a snapshot taken at a known position (`snapshot_at`: the table is
+  briefly share-locked so that every transaction that wrote it before that position is visible
+  and none after), then gets exactly the changes after that position;
+- a client that reconnects with `since` gets the changes after it from the hub's recent history
+  (the last `LOGFOLD_WS_REPLAY` changes of each table, refilled from Kafka on start), or a
+  `resync` when its position is older than that;
+- a resent change (CDC restarted) is at or below the table's last position and is dropped.
+
+Each client has a bounded outbox that the hub appends to without ever blocking; the client's own
+thread drains it into the socket. A client whose outbox passes half its size gets `lagging`; one
+that fills it is closed with code 4008 and its outbox is dropped, so one slow reader costs the
+others nothing and memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+
+from cdc.changes import Change, Position, from_record
+
+log = logging.getLogger(__name__)
+
+SLOW_CLOSE = 4008
+FLOOR = Position(0, 0)
+UNKNOWN = Position(2**63, 0)  # above every position: nothing can be served yet
+
+
+@dataclass(eq=False)
+class Subscription:
+    id: str
+    view: str
+    table: str
+    projection: str
+    filter: dict[str, Any]  # column -> value in wire form
+    client: Client
+    after: Position = FLOOR  # the last position this subscription has been sent
+
+    def matches(self, row: dict[str, Any] | None) -> bool:
+        return row is not None and all(row.get(c) == v for c, v in self.filter.items())
+
+    def message_for(self, change: Change) -> dict[str, Any] | None:
+        """The change as this subscription sees it: rows entering or staying in its filter
+        are upserts, rows leaving it (or deleted) are deletes; others do not concern it."""
+        if self.matches(change.row):
+            return self._message("upsert", change, change.row)
+        if self.matches(change.before) or (change.op == "delete" and change.before is None):
+            return self._message("delete", change, None)
+        return None
+
+    def _message(self, op: str, change: Change, row: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "type": "change",
+            "id": self.id,
+            "op": op,
+            "key": change.key,
+            "row": row,
+            "position": str(change.position),
+        }
+
+
+class Client:
+    """One websocket connection's side of the hub: a bounded outbox and its close state."""
+
+    def __init__(self, buffer: int) -> None:
+        self.buffer = buffer
+        self.outbox: deque[dict[str, Any]] = deque()
+        self.cond = threading.Condition()
+        self.close_code: int | None = None
+        self.close_reason = ""
+        self.closing_since = 0.0
+        self.warned = False
+        self.peak = 0
+        self.subscriptions: dict[str, Subscription] = {}
+
+    def offer(self, message: dict[str, Any], sub_id: str | None = None) -> bool:
+        """Queue a message without blocking; False once the client is being closed."""
+        with self.cond:
+            if self.close_code is not None:
+                return False
+            if len(self.outbox) >= self.buffer:
+                self._close(SLOW_CLOSE, "too far behind: read faster, then resume with `since`")
+                return False
+            self.outbox.append(message)
+            if not self.warned and len(self.outbox) >= self.buffer // 2:
+                self.warned = True
+                self.outbox.append({"type": "lagging", "id": sub_id, "behind": len(self.outbox)})
+            self.peak = max(self.peak, len(self.outbox))
+            self.cond.notify()
+            return True
+
+    def close(self, code: int, reason: str) -> None:
+        with self.cond:
+            if self.close_code is None:
+                self._close(code, reason)
+
+    def _close(self, code: int, reason: str) -> None:
+        self.close_code, self.close_reason = code, reason
+        self.closing_since = time.monotonic()
+        self.outbox.clear()  # what it could not read is dropped: it resumes with `since`
+        self.cond.notify()
+
+    def take(self, timeout: float) -> list[dict[str, Any]] | None:
+        """Everything queued (waiting up to `timeout`); [] on timeout; None once closing."""
+        with self.cond:
+            if not self.outbox and self.close_code is None:
+                self.cond.wait(timeout)
+            if self.close_code is not None:
+                return None
+            taken = list(self.outbox)
+            self.outbox.clear()
+            if len(taken) < self.buffer // 4:
+                self.warned = False
+            return taken
+
+
+@dataclass
+class _Table:
+    ring: deque[Change]
+    last: Position = FLOOR  # the newest position seen (older ones are resends)
+    served_from: Position | None = None  # `since` at or after this can be served; None: any
+    subscriptions: set[Subscription] = field(default_factory=set)
+
+
+class Unservable(Exception):
+    """The position is older than the hub's history of the table: the client must resync."""
+
+
+class Hub:
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: dict[str, str],  # table -> its cdc topic
+        replay: int,
+        progress_table: str = "projection_progress",
+    ) -> None:
+        self.bootstrap, self.topic_of, self.replay = bootstrap, topics, replay
+        self.progress_table = progress_table
+        self.lock = threading.Lock()
+        self.tables = {t: _Table(deque()) for t in topics}
+        self.generations: dict[str, int] = {}
+        self.ready = threading.Event()
+        self.clients: set[Client] = set()
+        self.delivered = 0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._started:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="live-hub", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._follow()
+            except Exception:
+                log.exception("live hub: following the changelogs failed; retrying")
+                self._stopping.wait(1.0)
+
+    def _follow(self) -> None:
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            group_id=None,
+            fetch_max_wait_ms=50,
+            max_poll_records=5000,
+        )
+        try:
+            tps = {TopicPartition(topic, 0): table for table, topic in self.topic_of.items()}
+            consumer.assign(list(tps))
+            begins, ends = consumer.beginning_offsets(list(tps)), consumer.end_offsets(list(tps))
+            for tp, table in tps.items():
+                start = max(begins[tp], ends[tp] - self.replay)
+                consumer.seek(tp, start)
+                with self.lock:
+                    t = self.tables[table]
+                    # Starting mid-topic: only positions from the first record on are known.
+                    if start > begins[tp] and t.served_from is None and not t.ring:
+                        t.served_from = UNKNOWN  # until the first record arrives
+            pending = {tp for tp in tps if ends[tp] > consumer.position(tp)}
+            if not pending:
+                self.ready.set()
+            while not self._stopping.is_set():
+                batch = consumer.poll(timeout_ms=200)
+                for tp, records in batch.items():
+                    table = tps[tp]
+                    changes = [
+                        from_record(table, r.key, r.value, list(r.headers or ())) for r in records
+                    ]
+                    self._apply(table, changes)
+                if pending:
+                    pending = {tp for tp in pending if consumer.position(tp) < ends[tp]}
+                    if not pending:
+                        self.ready.set()
+                self._reap()
+        finally:
+            consumer.close()
+
+    # -- changes ----------------------------------------------------------------------------
+
+    def _apply(self, table: str, changes: Iterable[Change]) -> None:
+        with self.lock:
+            t = self.tables[table]
+            for change in changes:
+                if change.position <= t.last:
+                    continue  # resent by a restarted CDC process
+                if t.served_from == UNKNOWN:
+                    t.served_from = change.position
+                t.last = change.position
+                t.ring.append(change)
+                if len(t.ring) > self.replay:
+                    t.served_from = t.ring.popleft().position
+                for sub in list(t.subscriptions):
+                    if change.position <= sub.after:
+                        continue  # already in its snapshot
+                    message = sub.message_for(change)
+                    if message is not None and sub.client.offer(message, sub.id):
+                        sub.after = change.position
+                        self.delivered += 1
+                    elif sub.client.close_code is not None:
+                        t.subscriptions.discard(sub)
+                if table == self.progress_table:
+                    self._rebuilt(change)
+
+    def _rebuilt(self, change: Change) -> None:
+        """Subscriptions of a projection whose generation just changed (it was rebuilt) leave
+        the stream, get a `resync`, and their connection takes a new snapshot."""
+        if change.row is None:
+            return
+        name, generation = str(change.row["projection"]), int(change.row["generation"])
+        seen = self.generations.get(name)
+        self.generations[name] = generation
+        if seen is None or generation == seen:
+            return
+        for t in self.tables.values():
+            for sub in [s for s in t.subscriptions if s.projection == name]:
+                t.subscriptions.discard(sub)
+                sub.client.offer({"type": "resync", "id": sub.id}, sub.id)
+                sub.client.offer({"type": "_resubscribe", "id": sub.id}, sub.id)
+
+    # -- subscriptions ----------------------------------------------------------------------
+
+    def attach(self, client: Client) -> None:
+        with self.lock:
+            self.clients.add(client)
+
+    def detach(self, client: Client) -> None:
+        with self.lock:
+            self.clients.discard(client)
+            for t in self.tables.values():
+                t.subscriptions -= set(client.subscriptions.values())
+
+    def subscribe(
+        self, sub: Subscription, after: Position, first: dict[str, Any] | None = None
+    ) -> None:
+        """Start streaming the changes after `after` to `sub`, atomically with queueing `first`
+        (its snapshot) and the changes after `after` the hub already has. Raises Unservable
+        when the hub's history of the table does not reach back to `after`."""
+        with self.lock:
+            t = self.tables[sub.table]
+            if t.served_from is not None and after < t.served_from:
+                raise Unservable(sub.table)
+            sub.after = after
+            if first is not None:
+                sub.client.offer(first, sub.id)
+            for change in t.ring:
+                if change.position > after:
+                    message = sub.message_for(change)
+                    if message is not None and sub.client.offer(message, sub.id):
+                        sub.after = change.position
+            t.subscriptions.add(sub)
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self.lock:
+            self.tables[sub.table].subscriptions.discard(sub)
+
+    def _reap(self, grace: float = 10.0) -> None:
+        """Clients closed for being slow whose socket stays blocked: cut them off."""
+        now = time.monotonic()
+        with self.lock:
+            stuck = [
+                c
+                for c in self.clients
+                if c.close_code is not None and now - c.closing_since > grace
+            ]
+        for client in stuck:
+            with client.cond:
+                client.cond.notify_all()
+            abort = getattr(client, "abort", None)
+            if abort is not None:
+                abort()
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "clients": len(self.clients),
+                "subscriptions": sum(len(t.subscriptions) for t in self.tables.values()),
+                "delivered": self.delivered,
+                "outbox_peak": max((c.peak for c in self.clients), default=0),
+            }

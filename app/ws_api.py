@@ -1,0 +1,296 @@
+"""`/ws`: subscribe to views and receive their changes (protocol in API.md, design in
+app/live.py).
+
+Each connection has two threads: this handler, which reads the client's messages, and a sender
+that drains the client's outbox into the socket (and sends heartbeats when idle)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from typing import Any
+
+from flask import Blueprint, current_app, request
+from flask_sock import Sock
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from app.auth import verify
+from app.errors import ApiError
+from app.live import Client, Hub, Subscription, Unservable
+from app.read_model import BadValue, ReadModel
+from cdc.changes import Position
+from projections.registry import VIEWS
+from stack.settings import Settings
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("live", __name__)
+sock = Sock()
+
+UNAUTHORIZED, FORBIDDEN = 4401, 4403
+AUTH_WAIT_S, HUB_WAIT_S = 10.0, 15.0
+
+Scalar = str | int | float | bool | None
+
+
+class Subscribe(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    op: str
+    id: str = Field(min_length=1, max_length=64)
+    view: str = Field(min_length=1, max_length=100)
+    filter: dict[str, Scalar] = Field(default_factory=dict, max_length=16)
+    since: str | None = Field(default=None, max_length=64)
+
+
+class Unsubscribe(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    op: str
+    id: str = Field(min_length=1, max_length=64)
+
+
+class Problem(Exception):
+    def __init__(self, code: str, message: str, sub_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.sub_id = code, message, sub_id
+
+
+@sock.route("/ws", bp=bp)  # type: ignore[untyped-decorator]
+def websocket(ws: Any) -> None:
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    Connection(
+        ws,
+        app.extensions["logfold.settings"],
+        app.extensions["logfold.hub"],
+        app.extensions["logfold.read_model"],
+        app.config["JWT_SECRET"],
+    ).serve(request.args.get("token"))
+
+
+class Connection:
+    def __init__(
+        self, ws: Any, settings: Settings, hub: Hub, model: ReadModel, secret: str
+    ) -> None:
+        self.ws, self.settings, self.hub, self.model, self.secret = ws, settings, hub, model, secret
+        self.client = Client(settings.ws_buffer)
+        self.client.abort = self._abort  # type: ignore[attr-defined]
+        self._send_lock = threading.Lock()
+
+    # -- the connection's life --------------------------------------------------------------
+
+    def serve(self, token: str | None) -> None:
+        self.hub.start()
+        with contextlib.suppress(AttributeError, OSError):
+            self.ws.sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.ws_socket_buffer_bytes
+            )
+        if not self._authenticate(token):
+            return
+        self.hub.attach(self.client)
+        sender = threading.Thread(target=self._send_loop, name="ws-sender", daemon=True)
+        sender.start()
+        try:
+            while self.client.close_code is None:
+                raw = self.ws.receive()
+                if raw is None or self.client.close_code is not None:
+                    continue
+                self._handle(raw)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.client.close(1000, "bye")
+            self.hub.detach(self.client)
+            sender.join(timeout=15)
+
+    def _authenticate(self, token: str | None) -> bool:
+        """`?token=` or a first `{"op": "auth", "token": …}` message; needs `views:read`."""
+        if token is None:
+            raw = self.ws.receive(timeout=AUTH_WAIT_S)
+            try:
+                first = json.loads(raw) if raw is not None else {}
+            except ValueError:
+                first = {}
+            if isinstance(first, dict) and first.get("op") == "auth":
+                token = first.get("token") if isinstance(first.get("token"), str) else None
+        if not token:
+            return self._refuse(UNAUTHORIZED, "unauthorized", "send ?token=… or an auth message")
+        try:
+            claims = verify(token, self.secret)
+        except ApiError as e:
+            return self._refuse(UNAUTHORIZED, "unauthorized", e.message)
+        if "views:read" not in str(claims.get("scope", "")).split():
+            return self._refuse(FORBIDDEN, "forbidden", "subscribing needs the 'views:read' scope")
+        return True
+
+    def _refuse(self, close_code: int, code: str, message: str) -> bool:
+        self._send({"type": "error", "id": None, "code": code, "message": message})
+        self.ws.close(reason=close_code, message=message)
+        return False
+
+    def _abort(self) -> None:
+        """Cut a connection whose socket stays blocked after it was told to close."""
+        with contextlib.suppress(OSError):
+            self.ws.sock.shutdown(socket.SHUT_RDWR)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        with self._send_lock:
+            self.ws.send(json.dumps(message, separators=(",", ":")))
+
+    def _send_loop(self) -> None:
+        try:
+            while True:
+                batch = self.client.take(self.settings.ws_heartbeat_s)
+                if batch is None:
+                    break
+                if not batch:
+                    self._send({"type": "heartbeat"})
+                for message in batch:
+                    if message["type"] == "_resubscribe":
+                        self._resubscribe(message["id"])
+                    else:
+                        self._send(message)
+        except (ConnectionClosed, OSError):
+            self.client.close(1006, "connection lost")
+        finally:
+            if self.client.close_code not in (None, 1000, 1006):
+                with contextlib.suppress(ConnectionClosed, OSError):
+                    self.ws.close(reason=self.client.close_code, message=self.client.close_reason)
+
+    # -- client messages --------------------------------------------------------------------
+
+    def _handle(self, raw: str | bytes) -> None:
+        sub_id = None
+        try:
+            try:
+                message = json.loads(raw)
+            except ValueError as e:
+                raise Problem("malformed_json", "messages must be JSON objects") from e
+            if not isinstance(message, dict):
+                raise Problem("malformed_json", "messages must be JSON objects")
+            sub_id = message.get("id") if isinstance(message.get("id"), str) else None
+            op = message.get("op")
+            if op == "subscribe":
+                self._subscribe(_parse(Subscribe, message))
+            elif op == "unsubscribe":
+                self._unsubscribe(_parse(Unsubscribe, message))
+            elif op == "auth":
+                pass  # already authenticated
+            else:
+                raise Problem("validation_failed", "op must be subscribe or unsubscribe")
+        except Problem as p:
+            self.client.offer(
+                {
+                    "type": "error",
+                    "id": p.sub_id or sub_id,
+                    "code": p.code,
+                    "message": p.message,
+                }
+            )
+
+    def _subscribe(self, m: Subscribe) -> None:
+        found = VIEWS.get(m.view)
+        if found is None:
+            raise Problem("not_found", f"unknown view {m.view!r}; GET /views lists them", m.id)
+        projection, output = found
+        if m.id in self.client.subscriptions:
+            raise Problem("validation_failed", f"subscription id {m.id!r} is in use", m.id)
+        if len(self.client.subscriptions) >= self.settings.ws_max_subscriptions:
+            raise Problem(
+                "too_many_subscriptions",
+                f"at most {self.settings.ws_max_subscriptions} subscriptions per connection",
+                m.id,
+            )
+        allowed = set(output.filterable) | set(output.key)
+        unknown = sorted(set(m.filter) - allowed)
+        if unknown:
+            raise Problem(
+                "validation_failed",
+                f"cannot filter {m.view} on {unknown}; filterable: {sorted(allowed)}",
+                m.id,
+            )
+        try:
+            wanted = self.model.filter_values(output, m.filter)
+        except BadValue as e:
+            raise Problem("validation_failed", str(e), m.id) from e
+        since = None
+        if m.since is not None:
+            try:
+                since = Position.parse(m.since)
+            except ValueError as e:
+                raise Problem("validation_failed", str(e), m.id) from e
+        sub = Subscription(m.id, m.view, output.name, projection.name, wanted, self.client)
+        self.client.subscriptions[m.id] = sub
+        self.client.offer({"type": "subscribed", "id": m.id})
+        try:
+            self._start(sub, since)
+        except Problem:
+            self.client.subscriptions.pop(m.id, None)
+            self.hub.unsubscribe(sub)
+            raise
+
+    def _start(self, sub: Subscription, since: Position | None) -> None:
+        if not self.hub.ready.wait(HUB_WAIT_S):
+            raise Problem("unavailable", "the changelogs are not readable yet; retry", sub.id)
+        if since is not None:
+            try:
+                self.hub.subscribe(sub, since)
+                return
+            except Unservable:
+                self.client.offer({"type": "resync", "id": sub.id})
+        self._snapshot(sub)
+
+    def _snapshot(self, sub: Subscription) -> None:
+        _, output = VIEWS[sub.view]
+        limit = self.settings.ws_snapshot_rows
+        for _ in range(3):
+            try:
+                rows, lsn = self.model.snapshot(output, sub.filter, limit)
+            except (OperationalError, PoolTimeout) as e:
+                raise Problem("unavailable", "the database is unavailable; retry", sub.id) from e
+            if len(rows) > limit:
+                raise Problem(
+                    "too_many_rows",
+                    f"the snapshot would exceed {limit} rows; narrow the filter",
+                    sub.id,
+                )
+            at = Position(lsn, 0)
+            first = {"type": "snapshot", "id": sub.id, "rows": rows, "position": str(at)}
+            try:
+                self.hub.subscribe(sub, at, first)
+                return
+            except Unservable:
+                continue  # the hub's history moved past the snapshot meanwhile: take another
+        raise Problem("unavailable", "could not take a consistent snapshot; retry", sub.id)
+
+    def _resubscribe(self, sub_id: str) -> None:
+        sub = self.client.subscriptions.get(sub_id)
+        if sub is None:
+            return
+        try:
+            self._snapshot(sub)
+        except Problem as p:
+            self.client.subscriptions.pop(sub_id, None)
+            self._send({"type": "error", "id": sub_id, "code": p.code, "message": p.message})
+
+    def _unsubscribe(self, m: Unsubscribe) -> None:
+        sub = self.client.subscriptions.pop(m.id, None)
+        if sub is None:
+            raise Problem("not_found", f"no subscription {m.id!r}", m.id)
+        self.hub.unsubscribe(sub)
+        self.client.offer({"type": "unsubscribed", "id": m.id})
+
+
+def _parse(model: type[BaseModel], message: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(message)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or 'message'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise Problem("validation_failed", problems) from e
