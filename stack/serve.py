@@ -17,6 +17,8 @@ class ApiServer(BaseApplication):  # type: ignore[misc]
             "worker_class": "gthread",
             "workers": workers,
             "threads": settings.api_threads,
+            # Each open websocket holds a thread: room for them plus plain requests.
+            "worker_connections": settings.api_threads + 100,
             "timeout": 60,
             "graceful_timeout": 10,
             "accesslog": None,

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
-    api_threads: int = 32
+    api_threads: int = 512  # per process; each open websocket uses one (threads start lazily)
     processors: int = Field(default=1, ge=1)
 
     spark_master: str = "local[*]"

@@ -171,6 +171,9 @@ class Processes:
     def projector(self) -> subprocess.Popen[bytes]:
         return self._spawn("projector", "projector")
 
+    def cdc(self) -> subprocess.Popen[bytes]:
+        return self._spawn("cdc", "cdc")
+
     def wait_processing(self, api_url: str, processors: int, timeout: float = 60) -> None:
         """Until /health shows `processors` members in the processors' group."""
 
@@ -183,3 +186,18 @@ class Processes:
     def stop(self) -> None:
         for proc in self.procs:
             stop_process(proc)
+
+
+def drop_cdc_slot(settings: Settings, timeout: float = 30) -> None:
+    """Drop the deployment's replication slot once its CDC process has let go of it, so test
+    deployments do not keep WAL (and slots) after they end."""
+    from cdc.capture import drop
+
+    def dropped() -> bool:
+        try:
+            drop(settings)
+            return True
+        except psycopg.errors.ObjectInUse:
+            return False
+
+    wait_until(dropped, timeout, "the replication slot to be released")

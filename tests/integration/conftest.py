@@ -10,9 +10,10 @@ import pytest
 from flask.testing import FlaskClient
 
 from app import create_app
+from cdc.capture import Capture
 from commands.processor import CommandProcessor
 from stack.settings import Settings
-from tests.support import new_deployment
+from tests.support import drop_cdc_slot, new_deployment
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,22 @@ def processor(deployment: Settings) -> Iterator[CommandProcessor]:
 
 
 @pytest.fixture(scope="module")
-def client(deployment: Settings, processor: CommandProcessor) -> Iterator[FlaskClient]:
+def capture(deployment: Settings) -> Iterator[Capture]:
+    """CDC for the module's deployment, in a thread."""
+    cdc = Capture(deployment)
+    thread = threading.Thread(target=cdc.run, name="cdc", daemon=True)
+    thread.start()
+    yield cdc
+    cdc.stop()
+    thread.join(timeout=30)
+    drop_cdc_slot(deployment)
+
+
+@pytest.fixture(scope="module")
+def client(
+    deployment: Settings, processor: CommandProcessor, capture: Capture
+) -> Iterator[FlaskClient]:
     app = create_app(deployment)
     yield app.test_client()
     app.extensions["logfold.bus"].close()
+    app.extensions["logfold.hub"].stop()
