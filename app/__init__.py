@@ -8,7 +8,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import commands_api, errors, ops, views_api, ws_api
+from app import commands_api, errors, live_page, ops, views_api, ws_api
 from app.health import HealthChecks
 from app.live import Hub
 from app.metrics import Metrics
@@ -47,4 +47,5 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.register_blueprint(commands_api.bp)
     app.register_blueprint(views_api.bp)
     app.register_blueprint(ws_api.bp)
+    app.register_blueprint(live_page.bp)
     return app

@@ -109,15 +109,18 @@ class Client:
     def _close(self, code: int, reason: str) -> None:
         self.close_code, self.close_reason = code, reason
         self.closing_since = time.monotonic()
-        self.outbox.clear()  # what it could not read is dropped: it resumes with `since`
+        # What it could not read is dropped (it resumes with `since`), but not the warning.
+        warnings = [m for m in self.outbox if m["type"] == "lagging"]
+        self.outbox = deque(warnings[:1])
         self.cond.notify()
 
     def take(self, timeout: float) -> list[dict[str, Any]] | None:
-        """Everything queued (waiting up to `timeout`); [] on timeout; None once closing."""
+        """Everything queued (waiting up to `timeout`); [] on timeout; None once closing and
+        nothing is left to send."""
         with self.cond:
             if not self.outbox and self.close_code is None:
                 self.cond.wait(timeout)
-            if self.close_code is not None:
+            if self.close_code is not None and not self.outbox:
                 return None
             taken = list(self.outbox)
             self.outbox.clear()
@@ -185,7 +188,7 @@ class Hub:
             enable_auto_commit=False,
             group_id=None,
             fetch_max_wait_ms=50,
-            max_poll_records=5000,
+            max_poll_records=500,  # smaller bursts into the outboxes
         )
         try:
             tps = {TopicPartition(topic, 0): table for table, topic in self.topic_of.items()}

@@ -1,0 +1,270 @@
+"""`/ws` on a real server (werkzeug, threaded), real Kafka, Postgres and CDC: snapshots and their
+hand-off to the stream, `since`, `resync`, slow clients, auth and limits.
+
+Changes are written with plain SQL into `customers`: CDC does not care who writes a table, and
+a version bumped by one per update shows every gap and duplicate a client would see."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from werkzeug.serving import make_server
+
+from app import create_app
+from app.live import Hub
+from cdc.capture import Capture
+from stack.procs import free_port
+from stack.settings import Settings
+from tests.changes import (
+    Writer,
+    assert_consecutive,
+    insert_customers,
+    table_versions,
+    versions_seen,
+)
+from tests.support import token
+from tests.wsclient import WsClient, fold
+
+pytestmark = pytest.mark.integration
+
+Serve = Callable[..., tuple[str, Hub]]
+
+
+@pytest.fixture(scope="module")
+def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
+    """Start an API (with its own settings overrides) on a free port; returns its ws URL."""
+    servers: list[Any] = []
+
+    def start(**overrides: Any) -> tuple[str, Hub]:
+        app = create_app(deployment.model_copy(update=overrides))
+        port = free_port()
+        server = make_server("127.0.0.1", port, app, threaded=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append((server, app))
+        return f"ws://127.0.0.1:{port}/ws", app.extensions["logfold.hub"]
+
+    yield start
+    for server, app in servers:
+        server.shutdown()
+        app.extensions["logfold.hub"].stop()
+        app.extensions["logfold.bus"].close()
+
+
+def _keys(n: int) -> tuple[list[str], str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"{tag}-{i}" for i in range(n)], f"group-{tag}"
+
+
+def _has_snapshot(client: WsClient, sub: str) -> Callable[[], bool]:
+    return lambda: bool(client.of(sub, "snapshot"))
+
+
+def _holds(client: WsClient, sub: str, final: dict[str, int]) -> Callable[[], bool]:
+    def check() -> bool:
+        rows = fold(client.of(sub), "customer_id")
+        return {k: r["version"] for k, r in rows.items()} == final
+
+    return check
+
+
+def test_snapshot_then_every_change_in_order_under_concurrent_writes(
+    serve: Serve, deployment: Settings
+) -> None:
+    url, _ = serve()
+    keys, group = _keys(4)
+    insert_customers(deployment, keys, group)
+    clients = []
+    with Writer(deployment, keys) as writer:
+        # Subscribe one client after another while every key keeps changing.
+        for i in range(6):
+            client = WsClient(url, token("views:read"))
+            client.subscribe("s", "customers", {"name": group})
+            client.wait_for(_has_snapshot(client, "s"), f"snapshot {i}")
+            clients.append(client)
+            start = writer.done
+            client.wait_for(lambda s=start: writer.done > s + 20, "more writes")
+    final = table_versions(deployment, keys)
+    assert sum(final.values()) == writer.done > 100
+    for client in clients:
+        client.wait_for(_holds(client, "s", final), "the client to hold the final rows")
+        assert_consecutive(versions_seen(client.of("s")), final)
+        client.close()
+
+
+def test_resume_with_since_gets_exactly_what_was_missed(serve: Serve, deployment: Settings) -> None:
+    url, _ = serve()
+    keys, group = _keys(2)
+    insert_customers(deployment, keys, group)
+    first = WsClient(url, token("views:read"))
+    first.subscribe("s", "customers", {"name": group})
+    first.wait_for(_has_snapshot(first, "s"), "snapshot")
+    Writer(deployment, keys, total=30).run()
+    after_30 = table_versions(deployment, keys)
+    first.wait_for(_holds(first, "s", after_30), "the first 30 changes")
+    first.close()
+    since = first.last_position("s")
+    Writer(deployment, keys, total=40).run()
+    final = table_versions(deployment, keys)
+
+    second = WsClient(url, token("views:read"))
+    second.subscribe("s", "customers", {"name": group}, since=since)
+    second.wait_for(
+        lambda: len(second.of("s", "change")) >= 40, "the 40 changes made while away", 60
+    )
+    assert not second.of("s", "snapshot") and not second.of("s", "resync")
+    got = versions_seen(first.of("s") + second.of("s"))
+    assert_consecutive(got, final)
+    second.close()
+
+
+def test_since_older_than_the_history_gets_resync_and_a_new_snapshot(
+    serve: Serve, deployment: Settings
+) -> None:
+    keys, group = _keys(1)
+    insert_customers(deployment, keys, group)
+    early = WsClient(serve()[0], token("views:read"))
+    early.subscribe("s", "customers", {"name": group})
+    early.wait_for(_has_snapshot(early, "s"), "snapshot")
+    Writer(deployment, keys, total=1).run()
+    early.wait_for(lambda: bool(early.of("s", "change")), "a change")
+    old = early.last_position("s")
+    early.close()
+    Writer(deployment, keys, total=30).run()
+
+    url, _ = serve(ws_replay=5)  # a server that keeps only the last 5 changes per table
+    client = WsClient(url, token("views:read"))
+    client.subscribe("s", "customers", {"name": group}, since=old)
+    client.wait_for(_has_snapshot(client, "s"), "a new snapshot")
+    kinds = [m["type"] for m in client.of("s")]
+    assert kinds[:3] == ["subscribed", "resync", "snapshot"], kinds
+    assert fold(client.of("s"), "customer_id")[keys[0]]["version"] == 31
+    client.close()
+
+
+def test_a_rebuilt_projection_sends_resync_then_a_new_snapshot(
+    serve: Serve, deployment: Settings
+) -> None:
+    with psycopg.connect(deployment.database(), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO projection_progress (projection) VALUES ('customers') "
+            "ON CONFLICT DO NOTHING"
+        )
+    url, hub = serve()
+    keys, group = _keys(1)
+    insert_customers(deployment, keys, group)
+    client = WsClient(url, token("views:read"))
+    client.subscribe("s", "customers", {"name": group})
+    client.wait_for(_has_snapshot(client, "s"), "snapshot")
+    client.wait_for(lambda: "customers" in hub.generations, "the hub to know the generation")
+    with psycopg.connect(deployment.database(), autocommit=True) as conn:
+        # What a rebuild's swap does, in the same transaction as its rows.
+        conn.execute(
+            "UPDATE projection_progress SET generation = generation + 1 "
+            "WHERE projection = 'customers'"
+        )
+    client.wait_for(lambda: len(client.of("s", "snapshot")) == 2, "a second snapshot")
+    kinds = [m["type"] for m in client.of("s")]
+    assert kinds[-2:] == ["resync", "snapshot"], kinds
+    Writer(deployment, keys, total=3).run()
+    client.wait_for(_holds(client, "s", {keys[0]: 3}), "changes after the resync")
+    client.close()
+
+
+def test_a_slow_client_is_warned_then_closed_while_others_get_everything(
+    serve: Serve, deployment: Settings
+) -> None:
+    buffer = 500  # bursts of changes must fit; the slow client's socket fills anyway
+    url, hub = serve(ws_buffer=buffer, ws_socket_buffer_bytes=4096)
+    keys, group = _keys(5)
+    insert_customers(deployment, keys, group)
+    slow = WsClient(url, token("views:read"), rcvbuf=4096, read_delay=0.01)
+    slow.subscribe("s", "customers", {"name": group})
+    normal = WsClient(url, token("views:read"))
+    normal.subscribe("s", "customers", {"name": group})
+    normal.wait_for(_has_snapshot(normal, "s"), "snapshot")
+    Writer(deployment, keys, total=3000).run()
+    # The slow one (100 messages/s) falls behind: it gets the warning, then the close code.
+    assert slow.wait_closed() == 4008
+    final = table_versions(deployment, keys)
+    normal.wait_for(_holds(normal, "s", final), "the normal client to get every change", 120)
+    assert_consecutive(versions_seen(normal.of("s")), final)
+    assert normal.close_code is None
+    # The server's memory for the slow one never grew past its buffer (+ the lagging notice).
+    assert hub.stats()["outbox_peak"] <= buffer + 1
+    kinds = [m["type"] for m in slow.messages]
+    assert "lagging" in kinds, kinds[:20]
+    lagging = next(m for m in slow.messages if m["type"] == "lagging")
+    assert lagging["id"] == "s" and lagging["behind"] >= buffer // 2
+    normal.close()
+
+
+def test_token_is_required_and_needs_views_read(serve: Serve) -> None:
+    url, _ = serve()
+    anonymous = WsClient(url)
+    anonymous.send({"op": "subscribe", "id": "s", "view": "customers"})
+    assert anonymous.wait_closed() == 4401
+    assert anonymous.messages[0]["code"] == "unauthorized"
+
+    bad = WsClient(url, "not-a-token")
+    assert bad.wait_closed() == 4401
+
+    writer_only = WsClient(url, token("commands:write"))
+    assert writer_only.wait_closed() == 4403
+    assert writer_only.messages[0]["code"] == "forbidden"
+
+    by_message = WsClient(url)  # browsers cannot set headers: a first auth message works too
+    by_message.send({"op": "auth", "token": token("views:read")})
+    by_message.subscribe("s", "books")
+    by_message.wait_for(_has_snapshot(by_message, "s"), "snapshot")
+    by_message.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ({"op": "subscribe", "id": "s", "view": "no_such_view"}, "not_found"),
+        (
+            {"op": "subscribe", "id": "s", "view": "customers", "filter": {"x": 1}},
+            "validation_failed",
+        ),
+        (
+            {"op": "subscribe", "id": "s", "view": "customers", "since": "yesterday"},
+            "validation_failed",
+        ),
+        (
+            {"op": "subscribe", "id": "s", "view": "customers", "filter": {"name": ["a"]}},
+            "validation_failed",
+        ),
+        ({"op": "subscribe", "view": "customers"}, "validation_failed"),
+        ({"op": "dance"}, "validation_failed"),
+        ({"op": "unsubscribe", "id": "nope"}, "not_found"),
+    ],
+)
+def test_bad_messages_get_an_error_and_the_connection_stays(
+    serve: Serve, message: dict[str, Any], code: str
+) -> None:
+    url, _ = serve()
+    client = WsClient(url, token("views:read"))
+    client.send(message)
+    client.wait_for(lambda: any(m["type"] == "error" for m in client.messages), "an error")
+    error = next(m for m in client.messages if m["type"] == "error")
+    assert error["code"] == code, error
+    client.subscribe("ok", "books")  # still usable
+    client.wait_for(_has_snapshot(client, "ok"), "snapshot")
+    client.close()
+
+
+def test_limits_on_subscriptions_and_message_size(serve: Serve) -> None:
+    url, _ = serve(ws_max_subscriptions=2, ws_max_message_bytes=1024)
+    client = WsClient(url, token("views:read"))
+    for i in range(3):
+        client.subscribe(f"s{i}", "books")
+    client.wait_for(lambda: bool(client.of("s2", "error")), "the third to be refused")
+    assert client.of("s2", "error")[0]["code"] == "too_many_subscriptions"
+    client.send({"op": "subscribe", "id": "big", "view": "books", "filter": {"title": "x" * 4000}})
+    assert client.wait_closed() == 1009  # message too big
