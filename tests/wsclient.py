@@ -3,6 +3,7 @@ snapshots and changes of each subscription into the rows a real client would hol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -80,10 +81,8 @@ class WsClient:
         return found[-1] if found else None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(websocket.WebSocketException, OSError):
             self.ws.close()
-        except (websocket.WebSocketException, OSError):
-            pass
 
 
 def fold(messages: list[dict[str, Any]], key: str) -> dict[Any, dict[str, Any]]:
