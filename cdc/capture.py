@@ -104,6 +104,7 @@ class Capture:
         self._stopping = threading.Event()
         self._relations: dict[int, pgoutput.Relation] = {}
         self.confirmed = 0  # last LSN confirmed to the slot (for tests and logs)
+        self.failures = 0  # times streaming failed and started over from the slot
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class Capture:
                 self._stream()
                 backoff = 0.5
             except (KafkaError, psycopg2.Error, psycopg.Error, OSError) as e:
+                self.failures += 1
                 log.warning("cdc: %s; resuming from the slot in %.1fs", e, backoff)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 10.0)

@@ -87,8 +87,7 @@ class LocalKafka:
                 self._java(
                     "kafka.tools.StorageTool",
                     "format",
-                    "-t",
-                    _new_cluster_id(),
+                    f"--cluster-id={_new_cluster_id()}",  # `=`: an id may start with "-"
                     "-c",
                     str(conf),
                     "--ignore-formatted",
