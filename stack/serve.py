@@ -32,6 +32,11 @@ class ApiServer(BaseApplication):  # type: ignore[misc]
 
     def load(self) -> Any:
         # Runs in each worker after the fork, so Kafka clients and threads belong to it.
+        import faulthandler
+        import signal
+
         from app import create_app
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: thread dump
 
         return create_app(self.settings)

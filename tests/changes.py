@@ -6,6 +6,7 @@ versions for a key shows every gap and every duplicate."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -38,8 +39,14 @@ class Writer:
     """Bumps the version of `keys`, round robin, one transaction each, until stopped or
     `total` updates are made."""
 
-    def __init__(self, settings: Settings, keys: list[str], total: int | None = None) -> None:
-        self.settings, self.keys, self.total = settings, keys, total
+    def __init__(
+        self,
+        settings: Settings,
+        keys: list[str],
+        total: int | None = None,
+        rate: float | None = None,  # updates per second; None: as fast as Postgres goes
+    ) -> None:
+        self.settings, self.keys, self.total, self.rate = settings, keys, total, rate
         self.done = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -52,8 +59,13 @@ class Writer:
         self.stop()
 
     def _run(self) -> None:
+        started = time.monotonic()
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             while not self._stop.is_set() and (self.total is None or self.done < self.total):
+                if self.rate is not None:  # pace the load (not a wait for a condition)
+                    ahead = self.done / self.rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        self._stop.wait(ahead)
                 key = self.keys[self.done % len(self.keys)]
                 conn.execute(
                     "UPDATE customers SET version = version + 1 WHERE customer_id = %s", (key,)
@@ -121,3 +133,15 @@ def distinct(changes: list[Change]) -> list[Change]:
         else:
             assert c.position in seen, f"{c.position} is out of order and not a resend"
     return out
+
+
+def slot_ready(settings: Settings) -> bool:
+    """Whether CDC has created the deployment's slot and sent its first snapshot (changes made
+    before that are in the snapshot, not one by one)."""
+    from cdc.capture import slot_name
+
+    with psycopg.connect(settings.database()) as conn:
+        found = conn.execute(
+            "SELECT 1 FROM cdc_slots WHERE slot = %s", (slot_name(settings),)
+        ).fetchone()
+    return found is not None

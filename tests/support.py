@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -201,3 +202,22 @@ def drop_cdc_slot(settings: Settings, timeout: float = 30) -> None:
             return False
 
     wait_until(dropped, timeout, "the replication slot to be released")
+
+
+def kill_tree(pid: int) -> None:
+    """kill -9 a process and its descendants (gunicorn's master and its workers)."""
+    import signal
+
+    def descendants(parent: int) -> list[int]:
+        try:
+            kids = [
+                int(k) for k in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+            ]
+        except OSError:
+            return []
+        return kids + [d for k in kids for d in descendants(k)]
+
+    family = [pid, *descendants(pid)]
+    for member in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)

@@ -24,6 +24,7 @@ from tests.changes import (
     changelog,
     distinct,
     insert_customers,
+    slot_ready,
     table_versions,
 )
 from tests.support import Processes, drop_cdc_slot, new_deployment
@@ -54,14 +55,6 @@ def _confirmed_lsn(settings: Settings) -> int:
         ).fetchone()
     assert row is not None
     return int(row[0])
-
-
-def _slot_ready(settings: Settings) -> bool:
-    with psycopg.connect(settings.database()) as conn:
-        found = conn.execute(
-            "SELECT 1 FROM cdc_slots WHERE slot = %s", (slot_name(settings),)
-        ).fetchone()
-    return found is not None
 
 
 @pytest.fixture
@@ -134,7 +127,7 @@ def test_kill_9_mid_stream_loses_nothing_and_resends_are_recognisable(
     try:
         cdc = procs.cdc()
         # Changes made before the slot exists are in its first snapshot, not one by one.
-        wait_until(lambda: _slot_ready(fresh), 60, "the slot and its first snapshot")
+        wait_until(lambda: slot_ready(fresh), 60, "the slot and its first snapshot")
         with Writer(fresh, keys, total=3000) as writer:
             for kill_at in (600, 1500, 2400):
                 wait_until(lambda k=kill_at: writer.done >= k, 120, f"{kill_at} updates")
