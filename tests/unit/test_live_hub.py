@@ -1,0 +1,114 @@
+"""The hub's bookkeeping without Kafka: what each subscription gets, history for `since`,
+resends, rebuilds, and the bounded outbox of a slow client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.live import SLOW_CLOSE, Client, Hub, Subscription, Unservable
+from cdc.changes import Change, Position
+
+
+def _hub(replay: int = 100) -> Hub:
+    return Hub("unused:9092", {"orders": "cdc.orders", "projection_progress": "cdc.pp"}, replay)
+
+
+def _change(
+    lsn: int, key: str, row: dict[str, Any] | None, before: dict[str, Any] | None = None
+) -> Change:
+    op = "delete" if row is None else ("update" if before else "insert")
+    return Change("orders", op, {"order_id": key}, row, before, Position(lsn, 1))  # type: ignore[arg-type]
+
+
+def _sub(client: Client, **filter: Any) -> Subscription:
+    return Subscription("s", "orders", "orders", "orders", filter, client)
+
+
+def _taken(client: Client) -> list[dict[str, Any]]:
+    return client.take(0) or []
+
+
+def test_rows_entering_and_leaving_a_filter_are_upserts_and_deletes() -> None:
+    hub, client = _hub(), Client(100)
+    hub.subscribe(_sub(client, customer_id="c1"), Position(0, 0))
+    paid = {"order_id": "o1", "customer_id": "c1", "status": "paid"}
+    moved = {"order_id": "o1", "customer_id": "c2", "status": "paid"}
+    hub._apply("orders", [_change(10, "o1", paid)])
+    hub._apply("orders", [_change(11, "o1", moved, before=paid)])  # leaves the filter
+    hub._apply("orders", [_change(12, "o2", {"order_id": "o2", "customer_id": "c2"})])  # never in
+    hub._apply("orders", [_change(13, "o1", None, before=moved)])  # deleted outside the filter
+    got = _taken(client)
+    assert [(m["op"], m["key"], m["position"]) for m in got] == [
+        ("upsert", {"order_id": "o1"}, "10.1"),
+        ("delete", {"order_id": "o1"}, "11.1"),
+    ]
+    assert got[1]["row"] is None
+
+
+def test_resends_are_dropped_and_history_serves_since() -> None:
+    hub, client = _hub(replay=3), Client(100)
+    for lsn in range(1, 6):
+        hub._apply("orders", [_change(lsn, f"o{lsn}", {"order_id": f"o{lsn}"})])
+    hub._apply("orders", [_change(4, "o4", {"order_id": "o4"})])  # a CDC resend
+    hub.subscribe(_sub(client), Position(3, 1))
+    assert [m["position"] for m in _taken(client)] == ["4.1", "5.1"]
+    with pytest.raises(Unservable):  # 1 and 2 were pushed out of the 3-change history
+        hub.subscribe(_sub(Client(100)), Position(1, 1))
+
+
+def test_snapshot_first_then_history_after_its_position_then_live() -> None:
+    hub, client = _hub(), Client(100)
+    hub._apply("orders", [_change(5, "o5", {"order_id": "o5"})])
+    hub._apply("orders", [_change(7, "o7", {"order_id": "o7"})])
+    snapshot = {"type": "snapshot", "id": "s", "rows": [], "position": "6.0"}
+    hub.subscribe(_sub(client), Position(6, 0), snapshot)
+    hub._apply("orders", [_change(6, "late", {"order_id": "late"})])  # below: in the snapshot
+    hub._apply("orders", [_change(8, "o8", {"order_id": "o8"})])
+    assert [m.get("position") for m in _taken(client)] == ["6.0", "7.1", "8.1"]
+
+
+def test_a_new_generation_resyncs_that_projections_subscribers() -> None:
+    hub, client = _hub(), Client(100)
+    sub = _sub(client)
+    hub.subscribe(sub, Position(0, 0))
+
+    def progress(lsn: int, generation: int) -> Change:
+        row = {"projection": "orders", "generation": generation}
+        return Change(
+            "projection_progress", "update", {"projection": "orders"}, row, None, Position(lsn, 1)
+        )
+
+    hub._apply("projection_progress", [progress(1, 0), progress(2, 0)])
+    assert _taken(client) == []
+    hub._apply("projection_progress", [progress(3, 1)])
+    assert [m["type"] for m in _taken(client)] == ["resync", "_resubscribe"]
+    hub._apply("orders", [_change(4, "o1", {"order_id": "o1"})])
+    assert _taken(client) == []  # out of the stream until its new snapshot
+
+
+def test_a_slow_client_is_warned_at_half_then_closed_and_its_outbox_dropped() -> None:
+    client = Client(10)
+    for i in range(5):
+        assert client.offer({"type": "change", "n": i}, "s")
+    assert client.outbox[-1] == {"type": "lagging", "id": "s", "behind": 5}
+    for i in range(4):
+        client.offer({"type": "change", "n": i}, "s")
+    assert not client.offer({"type": "change"}, "s")  # the 11th: over the limit
+    assert client.close_code == SLOW_CLOSE
+    assert list(client.outbox) == [{"type": "lagging", "id": "s", "behind": 5}]
+    assert client.peak == 10
+    assert client.take(0) == [{"type": "lagging", "id": "s", "behind": 5}]
+    assert client.take(0) is None  # then the connection closes with 4008
+    assert not client.offer({"type": "change"}, "s")
+
+
+def test_a_client_that_keeps_up_is_warned_again_only_after_catching_up() -> None:
+    client = Client(8)
+    for i in range(4):
+        client.offer({"type": "change", "n": i}, "s")
+    assert len(_taken(client)) == 5  # four changes and one warning
+    for i in range(4):
+        client.offer({"type": "change", "n": i}, "s")
+    assert [m["type"] for m in _taken(client)][-1] == "lagging"
