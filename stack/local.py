@@ -142,6 +142,7 @@ def run(settings: Settings) -> None:
 Logfold is running.
   API        {base}   (docs: {base}/docs, contract: {base}/openapi.json)
   views      {base}/views   (Spark projector: {settings.spark_master})
+  live page  {base}/live#token=$TOKEN   (websocket: {base.replace("http", "ws", 1)}/ws)
   health     {base}/health
   Kafka      {settings.kafka()}
   Postgres   {settings.database()}
