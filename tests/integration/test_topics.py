@@ -12,7 +12,7 @@ import pytest
 from kafka.admin import KafkaAdminClient
 
 from stack.settings import Settings
-from stack.topics import TopicMisconfigured, Topics, check_topics
+from stack.topics import TopicMisconfigured, Topics, captured_tables, check_topics
 from tests.support import REPO, child_env
 
 CLI_TIMEOUT_S = 90
@@ -34,7 +34,9 @@ def make_topics(
     topics = Topics(settings.topic_prefix)
     wanted = {
         spec.name: {
-            "num_partitions": (partitions or {}).get(spec.name, settings.partitions),
+            "num_partitions": (partitions or {}).get(
+                spec.name, spec.partitions or settings.partitions
+            ),
             "replication_factor": settings.replication_factor,
             "configs": {**spec.configs, **(configs or {}).get(spec.name, {})},
         }
@@ -128,10 +130,17 @@ def test_a_topic_with_another_partition_count_is_named(base_settings: Settings) 
     )
 
 
-def test_settings_with_another_partition_count_flag_every_topic(deployment: Settings) -> None:
+def test_settings_with_another_partition_count_flag_every_partitioned_topic(
+    deployment: Settings,
+) -> None:
     other = deployment.model_copy(update={"partitions": deployment.partitions * 2})
     message = problems_of(other)
-    names = [spec.name for spec in Topics(deployment.topic_prefix).specs()]
+    # Changelogs have one partition whatever the setting: a table's changes are one order.
+    specs = Topics(deployment.topic_prefix).specs()
+    names = [spec.name for spec in specs if spec.partitions is None]
+    assert [s.name for s in specs if s.partitions == 1] == [
+        Topics(deployment.topic_prefix).cdc(t) for t in captured_tables()
+    ]
     lines = problem_lines(message)
     assert len(lines) == len(names)
     for name, line in zip(names, lines, strict=True):
