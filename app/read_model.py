@@ -15,7 +15,7 @@ from kafka import KafkaConsumer, TopicPartition
 from commands.messages import Position
 from projections.base import Output, Projection
 from projections.progress import table as progress_table
-from projections.registry import PROJECTIONS
+from projections.registry import JOINS, PROJECTIONS
 from projections.wire import wire_row, wire_value
 from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
@@ -137,7 +137,22 @@ class ReadModel:
         return {r.projection: dict(r._mapping) for r in rows}
 
     def includes(self, projection: Projection, position: Position) -> bool:
-        """Whether the projection has applied the event at `position` (or never will need to)."""
+        """Whether the projection has applied the event at `position` (or never will need to).
+
+        A joined view reads changelogs, not events, and a command's position is an event's
+        offset: no position of the join's own input corresponds to it. So a joined view counts
+        as including the event once every projection that writes one of its input tables from
+        that event's topic has applied it (never earlier); the join follows within its own lag,
+        which `lag()` and /health report."""
+        join = JOINS.get(projection.name)
+        if join is not None:
+            sources = [
+                p
+                for p in PROJECTIONS.values()
+                if any(o.name in join.tables for o in p.outputs)
+                and position.topic in {self.topics.events(t) for t in p.topics}
+            ]
+            return all(self.includes(p, position) for p in sources)
         if position.topic not in {self.topics.events(t) for t in projection.topics}:
             return True
         applied = self.progress().get(projection.name, {}).get("offsets", {})
@@ -152,7 +167,8 @@ class ReadModel:
         return True
 
     def end_offsets(self) -> dict[str, int]:
-        """End offsets of every events partition, cached for a second."""
+        """End offsets of every events partition and of the joins' changelogs, cached for a
+        second."""
         with self._lock:
             at, ends = self._ends
             if time.monotonic() - at < 1.0:
@@ -167,6 +183,9 @@ class ReadModel:
                     TopicPartition(self.topics.events(a), p)
                     for a in {t for proj in PROJECTIONS.values() for t in proj.topics}
                     for p in range(self.settings.partitions)
+                ] + [
+                    TopicPartition(self.topics.cdc(t), 0)
+                    for t in {t for join in JOINS.values() for t in join.tables}
                 ]
                 found = consumer.end_offsets(tps)
             finally:
@@ -176,7 +195,8 @@ class ReadModel:
             return ends
 
     def lag(self) -> dict[str, dict[str, Any]]:
-        """Per projection: events not yet applied, seconds behind, late events seen.
+        """Per projection and join: events (for a join: changelog records) not yet applied,
+        seconds behind, late events seen, generation.
 
         Offsets count transaction markers too, so while behind the event count is an upper
         bound; caught up, it is exactly 0 (the last marker after the last event is skipped)."""
@@ -198,6 +218,22 @@ class ReadModel:
                 "events": behind,
                 "seconds": round(seconds, 3),
                 "late_events": int(p.get("late_events", 0)),
+                "generation": int(p.get("generation", 0)),
+            }
+        for name, join in JOINS.items():
+            # A join's lag is in changelog records (one partition each, no transaction markers).
+            p = progress.get(name, {})
+            applied = p.get("offsets", {})
+            behind = 0
+            for table in join.tables:
+                k = f"{self.topics.cdc(table)}:0"
+                behind += max(ends.get(k, 0) - int(applied.get(k, -1)) - 1, 0)
+            updated = p.get("updated_at")
+            seconds = (now - updated).total_seconds() if behind and updated else 0.0
+            out[name] = {
+                "events": behind,
+                "seconds": round(seconds, 3),
+                "late_events": 0,
                 "generation": int(p.get("generation", 0)),
             }
         return out

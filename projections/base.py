@@ -13,15 +13,22 @@ The same transform serves the live projector (applied to each micro-batch, then 
 these rules) and the rebuild (applied to the whole log, then bulk-loaded), so both produce the
 same rows. Exactly-once comes from the projection's progress (offsets per topic-partition) being
 written in the same transaction as its rows; see `spark/sink.py`.
+
+A `Join` declares a view that is the inner join of two captured tables, folded from their CDC
+changelogs rather than from events (see `spark/join.py`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from sqlalchemy import Table
+from sqlalchemy.dialects import postgresql
+
+from projections.changelog import joined_rows
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -79,3 +86,185 @@ class Projection:
     name: str
     topics: tuple[str, ...]  # aggregate types whose events it reads
     outputs: tuple[Output, ...] = field(default_factory=tuple)
+
+
+Role = Literal["left", "right"]
+ROLES: tuple[Role, Role] = ("left", "right")
+JOIN_STATE = "join_state"  # projections/join_state.py
+_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One input of a join: a captured table (read from its changelog `cdc.<table>`), its
+    primary key columns, and its join column."""
+
+    table: str
+    key: tuple[str, ...]
+    on: str
+
+
+@dataclass(frozen=True)
+class Join:
+    """A view that is the inner join of two captured tables, kept current from their changelogs.
+
+    A joined row exists iff a row of each side exists with equal join columns (NULL matches
+    nothing). Each view column comes from one side's column (`sources`: view column -> (role,
+    source column)). A change on either side re-derives every joined row of its old and new join
+    value; a delete on either side deletes them. The view's key must identify a pair of side
+    rows: it covers both sides' keys, or one side's key when the other is keyed by its join
+    column (then at most one of its rows matches).
+
+    The live job (`spark/join.py`) keeps each side's last row per key, with its changelog
+    position, in `join_state`; the view is always the join of that state (`derive_sql`), and
+    only rows that differ are written, so the view's own changelog carries minimal changes.
+    Its progress (offsets of the two changelogs) is the `projection_progress` row `name`."""
+
+    table: Table
+    left: Side
+    right: Side
+    sources: dict[str, tuple[Role, str]]
+    filterable: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        columns = set(self.columns)
+        problems = [f"no source for column {c}" for c in self.columns if c not in self.sources]
+        problems += [
+            f"{c} is not a column of {self.name}" for c in self.sources if c not in columns
+        ]
+        problems += [f"filterable {c} is not a column" for c in self.filterable if c not in columns]
+        names = [self.name, *self.columns]
+        for side in (self.left, self.right):
+            names += [side.table, side.on, *side.key]
+        names += [src for _, src in self.sources.values()]
+        problems += [
+            f"{n!r} is not a plain lower-case SQL name" for n in names if not _NAME.fullmatch(n)
+        ]
+        problems += [f"unknown side {r!r}" for r, _ in self.sources.values() if r not in ROLES]
+        if not problems and not self._pairs_are_unique():
+            problems.append(f"the key {self.key} does not identify a pair of joined rows")
+        if problems:
+            raise ValueError(f"join {self.name}: " + "; ".join(problems))
+
+    def _pairs_are_unique(self) -> bool:
+        covered = {self.sources[c] for c in self.key}
+
+        def covers(role: Role) -> bool:
+            return all((role, k) in covered for k in self.side(role).key)
+
+        def keyed_by_join_column(role: Role) -> bool:
+            return self.side(role).key == (self.side(role).on,)
+
+        return (covers("left") and (covers("right") or keyed_by_join_column("right"))) or (
+            covers("right") and keyed_by_join_column("left")
+        )
+
+    @property
+    def name(self) -> str:
+        return str(self.table.name)  # a plain str: Spark refuses str subclasses as query names
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return tuple(str(c.name) for c in self.table.primary_key.columns)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return tuple(str(c.name) for c in self.table.columns)
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """The captured tables it reads (one for a self-join)."""
+        return tuple(dict.fromkeys((self.left.table, self.right.table)))
+
+    def side(self, role: Role) -> Side:
+        return self.left if role == "left" else self.right
+
+    @property
+    def projection(self) -> Projection:
+        """How the API sees it: a projection named after the view that reads no events."""
+        return Projection(self.name, topics=())
+
+    @property
+    def output(self) -> Output:
+        """Its view as an `Output`, whose transform folds changelog records (columns `table`,
+        `key`, `row`, `lsn`, `seq`; see `projections/changelog.py`) into the view's rows."""
+
+        def transform(records: DataFrame) -> DataFrame:
+            return joined_rows(self, records)
+
+        return Output(
+            self.table, transform, merge={}, filterable=self.filterable, version_column=None
+        )
+
+    # -- SQL over join_state (names are checked above, so they are safe to inline) ----------
+
+    def join_value_sql(self, alias: str) -> str:
+        """The join value of a state or change row `alias` (with `side` and `row` columns)."""
+        return (
+            f"CASE {alias}.side WHEN 'left' THEN {alias}.row ->> '{self.left.on}' "
+            f"ELSE {alias}.row ->> '{self.right.on}' END"
+        )
+
+    def derive_sql(self, values: str) -> str:
+        """SELECT of the view's rows whose join value is in `values` (a relation with a column
+        `join_value`), derived from the join's state: the inner join of its live rows."""
+        cols = []
+        for column in self.table.columns:
+            role, src = self.sources[column.name]
+            kind = column.type.compile(dialect=_POSTGRES)
+            cols.append(f"CAST({role[0]}.row ->> '{src}' AS {kind}) AS {column.name}")
+        return (
+            f"SELECT {', '.join(cols)} FROM {JOIN_STATE} l JOIN {JOIN_STATE} r "
+            f"ON r.join_name = l.join_name AND r.side = 'right' AND r.join_value = l.join_value "
+            f"WHERE l.join_name = '{self.name}' AND l.side = 'left' "
+            f"AND l.join_value IN (SELECT join_value FROM {values})"
+        )
+
+    def affected_sql(self, changes: str) -> str:
+        """SELECT of the join values a batch of `changes` (side, key, join_value, lsn, seq)
+        touches: the old and new join values of every change newer than the stored one."""
+        return (
+            f"SELECT DISTINCT v.join_value FROM {changes} c "
+            f"LEFT JOIN {JOIN_STATE} s ON s.join_name = '{self.name}' AND s.side = c.side "
+            f"AND s.key = c.key "
+            f"CROSS JOIN LATERAL (VALUES (c.join_value), (s.join_value)) AS v (join_value) "
+            f"WHERE v.join_value IS NOT NULL AND (s.key IS NULL OR (c.lsn, c.seq) > (s.lsn, s.seq))"
+        )
+
+    def state_upsert_sql(self, changes: str) -> str:
+        """Store each change unless the state already holds a newer (or the same) position:
+        a change CDC resends after a restart never moves a key back; a delete is kept as a
+        row without `row`, so a resent older insert cannot bring the key back."""
+        return (
+            f"INSERT INTO {JOIN_STATE} (join_name, side, key, join_value, row, lsn, seq) "
+            f"SELECT '{self.name}', side, key, join_value, row, lsn, seq FROM {changes} "
+            f"ON CONFLICT (join_name, side, key) DO UPDATE SET join_value = excluded.join_value, "
+            f"row = excluded.row, lsn = excluded.lsn, seq = excluded.seq "
+            f"WHERE (excluded.lsn, excluded.seq) > ({JOIN_STATE}.lsn, {JOIN_STATE}.seq)"
+        )
+
+    def upsert_sql(self, rows: str) -> str:
+        """Write the rows of `rows` that are new or differ from the view's (only those)."""
+        cols, keys = ", ".join(self.columns), ", ".join(self.key)
+        values = [c for c in self.columns if c not in self.key]
+        if not values:
+            action = "DO NOTHING"
+        else:
+            sets = ", ".join(f"{c} = excluded.{c}" for c in values)
+            old = ", ".join(f"{self.name}.{c}" for c in values)
+            new = ", ".join(f"excluded.{c}" for c in values)
+            action = f"DO UPDATE SET {sets} WHERE ROW({old}) IS DISTINCT FROM ROW({new})"
+        return (
+            f"INSERT INTO {self.name} ({cols}) SELECT {cols} FROM {rows} "
+            f"ON CONFLICT ({keys}) {action}"
+        )
+
+    def delete_sql(self, before: str, after: str) -> str:
+        """Delete the view's rows whose key is in `before` but no longer in `after`."""
+        keys = ", ".join(self.key)
+        match = " AND ".join(f"t.{k} = gone.{k}" for k in self.key)
+        return (
+            f"DELETE FROM {self.name} t USING "
+            f"(SELECT {keys} FROM {before} EXCEPT SELECT {keys} FROM {after}) gone WHERE {match}"
+        )

@@ -1,5 +1,6 @@
 """The streaming projector: one Structured Streaming query per projection, reading its event
-topics with Spark's Kafka source (read_committed) and folding each micro-batch into Postgres.
+topics with Spark's Kafka source (read_committed) and folding each micro-batch into Postgres,
+and one per join, reading its tables' changelogs (see spark/join.py).
 
 Postgres holds each projection's progress, so a query always starts from the offsets after the
 last applied ones; Spark's own checkpoint is scratch space. A query that fails is restarted
@@ -18,8 +19,9 @@ import psycopg
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
-from projections.base import Projection
-from projections.registry import PROJECTIONS
+from projections.base import Join, Projection
+from projections.registry import JOINS, PROJECTIONS
+from spark import join as joins
 from spark.decode import decode_events, kafka_options, offsets_json
 from spark.session import session
 from spark.sink import LiveSink, ensure_progress, read_progress
@@ -41,7 +43,13 @@ class Projector:
     def topic_names(self, projection: Projection) -> list[str]:
         return [self.topics.events(t) for t in projection.topics]
 
-    def start(self, projection: Projection) -> StreamingQuery:
+    def start(self, projection: Projection | Join) -> StreamingQuery:
+        if isinstance(projection, Join):
+            query = joins.stream(
+                self.spark, self.settings, projection, tempfile.mkdtemp(dir=self._scratch)
+            )
+            self.queries[projection.name] = query
+            return query
         url = self.settings.database()
         with psycopg.connect(url, autocommit=True) as conn:
             ensure_progress(conn, projection.name)
@@ -68,15 +76,16 @@ class Projector:
         return query
 
     def run(self) -> None:
-        """Run every projection until stop(); restart any query that fails."""
-        for projection in PROJECTIONS.values():
-            self.start(projection)
+        """Run every projection and join until stop(); restart any query that fails."""
+        views: list[Projection | Join] = [*PROJECTIONS.values(), *JOINS.values()]
+        for view in views:
+            self.start(view)
         log.info("projector running: %s", ", ".join(self.queries))
         while not self._stopping.wait(1.0):
             for name, query in list(self.queries.items()):
                 if not query.isActive:
                     log.error("projection %s stopped (%s); restarting", name, query.exception())
-                    self.start(PROJECTIONS[name])
+                    self.start(PROJECTIONS.get(name) or JOINS[name])
         for query in self.queries.values():
             query.stop()
 

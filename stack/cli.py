@@ -138,30 +138,37 @@ def _serve(make: Callable[[Settings], _Service]) -> None:
 
 @main.command()
 @click.argument("projections", nargs=-1)
-@click.option("--all", "everything", is_flag=True, help="Rebuild every projection.")
+@click.option("--all", "everything", is_flag=True, help="Rebuild every projection and join.")
 @click.option("--verify", is_flag=True, help="Compare the rebuilt views with the live ones.")
 def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> None:
-    """Rebuild projections by replaying the whole log (readers keep the old view until the swap).
+    """Rebuild projections by replaying the whole log, and joined views from their tables'
+    changelogs (readers keep the old view until the swap).
 
     Exits 1 when --verify finds a difference.
     """
-    from projections.registry import PROJECTIONS
+    from projections.registry import JOINS, PROJECTIONS
+    from spark.join import JoinRebuild
     from spark.rebuild import Rebuild
     from spark.session import session
     from stack import logs
 
+    known = [*PROJECTIONS, *JOINS]
     if everything == bool(projections):
-        raise click.UsageError(f"name projections or give --all; known: {', '.join(PROJECTIONS)}")
-    unknown = [p for p in projections if p not in PROJECTIONS]
+        raise click.UsageError(f"name projections or give --all; known: {', '.join(known)}")
+    unknown = [p for p in projections if p not in known]
     if unknown:
-        raise click.UsageError(f"unknown projection(s) {unknown}; known: {', '.join(PROJECTIONS)}")
+        raise click.UsageError(f"unknown projection(s) {unknown}; known: {', '.join(known)}")
     settings = _settings()
     logs.configure("WARNING")
     _require_topics(settings)
-    job = Rebuild(settings, session(settings, "logfold-rebuild"))
+    spark = session(settings, "logfold-rebuild")
+    job, joins = Rebuild(settings, spark), JoinRebuild(settings, spark)
     differences = 0
-    for name in projections or tuple(PROJECTIONS):
-        report = job.run(PROJECTIONS[name], verify=verify)
+    for name in projections or tuple(known):
+        if name in JOINS:
+            report = joins.run(JOINS[name], verify=verify)
+        else:
+            report = job.run(PROJECTIONS[name], verify=verify)
         rate = report.events / report.seconds if report.seconds else 0.0
         rows = ", ".join(f"{t}: {n} rows" for t, n in report.rows.items())
         click.echo(

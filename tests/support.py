@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import requests
 from kafka import KafkaProducer
 
 from app.auth import SCOPES, issue_token
+from cdc.changes import Change, Position, record_for
 from events.base import DomainEvent
 from events.partitioning import partition_for
 from events.serialization import Envelope, encode, envelope_for
@@ -31,6 +33,28 @@ SECRET = "test-secret-not-for-production-use-0123456789"
 
 def token(*scopes: str, subject: str = "tester", ttl: int = 3600) -> str:
     return issue_token(SECRET, subject, scopes or SCOPES, ttl)
+
+
+def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]]) -> None:
+    """Write changes of `table` straight into its changelog `cdc.<table>` as the CDC process
+    would (for tests that must not depend on it): each is (op, key, row, "<lsn>.<seq>"); for a
+    delete, `row` is the deleted row (the before-image)."""
+    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    topic = Topics(settings.topic_prefix).cdc(table)
+    for op, key, row, position in changes:
+        deleted = op == "delete"
+        change = Change(
+            table,
+            op,
+            key,
+            None if deleted else row,
+            row if deleted else None,
+            Position.parse(position),
+        )
+        k, v, headers = record_for(change, datetime.now(UTC))
+        producer.send(topic, key=k, value=v, headers=headers, partition=0)
+    producer.flush()
+    producer.close()
 
 
 def new_deployment(base: Settings, **overrides: Any) -> Settings:

@@ -22,7 +22,10 @@ def upgrade() -> None:
         sa.Column("slot", sa.Text(), nullable=False),
         sa.Column("consistent_point", sa.Text(), nullable=False),
         sa.Column(
-            "created_at", sa.DateTime(timezone=True), server_default=sa.text("now()"), nullable=False
+            "created_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("now()"),
+            nullable=False,
         ),
         sa.PrimaryKeyConstraint("slot"),
     )

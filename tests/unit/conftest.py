@@ -6,15 +6,17 @@
             .then(CustomerRenamed("Bea"))
 
 The helpers are handed out as fixtures so the tests work under any pytest import mode.
+`spark` is one local Spark session for the tests of Spark transforms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from pyspark.sql import SparkSession
 
 from commands.errors import Rejected
 from commands.registry import Aggregate
@@ -96,3 +98,17 @@ def given() -> Given:
 @pytest.fixture
 def refs() -> FakeReferences:
     return FakeReferences()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    session = (
+        SparkSession.builder.master("local[1]")
+        .appName("logfold-unit")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "1")
+        .getOrCreate()
+    )
+    yield session
+    session.stop()

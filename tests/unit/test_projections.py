@@ -3,7 +3,6 @@ Postgres), including windowing with late events."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -45,20 +44,6 @@ SCHEMA = StructType(
 )
 DUNE = PlacedLine("dune", 2, 1000, "Herbert", 0.125)
 EMMA = PlacedLine("emma", 1, 999, "Austen", 0.1)
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    s = (
-        SparkSession.builder.master("local[1]")
-        .appName("logfold-unit")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "1")
-        .getOrCreate()
-    )
-    yield s
-    s.stop()
 
 
 def log(spark: SparkSession, *events: tuple[str, str, int, DomainEvent, Any]) -> DataFrame:

@@ -1,0 +1,190 @@
+"""Joined views reach websocket subscribers, through the whole pipeline: commands → processor →
+projector (projections and joins) → views → CDC → changelogs → join → view → CDC → hub → `/ws`.
+Every process is started with the real CLI; the plain table is written with plain SQL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from stack.procs import wait_until
+from stack.settings import Settings
+from tests.changes import slot_ready
+from tests.support import HttpApi, Processes, drop_cdc_slot, new_deployment, token
+from tests.wsclient import WsClient, fold
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PIPELINE_S = 180  # first Spark batches on 2 cores are slow
+
+
+class Stack:
+    def __init__(self, settings: Settings, logdir: Path) -> None:
+        self.settings = settings
+        self.procs = Processes(settings, logdir)
+        self.procs.cdc()
+        wait_until(lambda: slot_ready(settings), 60, "the CDC slot")
+        self.procs.processor()
+        self.procs.projector()
+        _, self.url = self.procs.api()
+        self.procs.wait_processing(self.url, 1)
+        self.api = HttpApi(self.url, token())
+
+    def command(self, name: str, data: dict[str, Any], aggregate_id: str | None = None) -> str:
+        answer = self.api.command(name, data, aggregate_id=aggregate_id)
+        assert answer.status == 201, answer.body
+        return str(answer.body["aggregate_id"])
+
+    def client(self) -> WsClient:
+        return WsClient(self.url.replace("http://", "ws://") + "/ws", token("views:read"))
+
+    def sql(self, statement: str, *params: Any) -> None:
+        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+            conn.execute(statement, params)
+
+
+@pytest.fixture(scope="module")
+def stack(base_settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = new_deployment(base_settings)
+    running = Stack(settings, tmp_path_factory.mktemp("live-joins"))
+    try:
+        yield running
+    finally:
+        running.procs.stop()
+        drop_cdc_slot(settings)
+
+
+def _rows(client: WsClient, sub: str, key: str) -> dict[Any, dict[str, Any]]:
+    return fold(client.of(sub), key)
+
+
+def _subscribed(client: WsClient, sub: str, view: str, filter: dict[str, Any]) -> None:
+    client.subscribe(sub, view, filter)
+    client.wait_for(lambda: bool(client.of(sub, "snapshot")), f"a snapshot of {view}")
+
+
+def test_renaming_a_customer_reaches_every_subscriber_of_its_order_summaries(
+    stack: Stack,
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    book = stack.command(
+        "add-book",
+        {"title": "Dune", "author": f"Herbert {tag}", "price_cents": 1000, "royalty_rate": 0.1},
+    )
+    alice = stack.command("register-customer", {"name": "Alice", "email": f"a-{tag}@example.com"})
+    bob = stack.command("register-customer", {"name": "Bob", "email": f"b-{tag}@example.com"})
+    lines = [{"book_id": book, "quantity": 1}]
+    alices = {stack.command("place-order", {"customer_id": alice, "lines": lines}) for _ in "xyz"}
+    bobs = {stack.command("place-order", {"customer_id": bob, "lines": lines})}
+
+    watchers = [stack.client() for _ in range(3)]
+    bystander = stack.client()
+    for client in watchers:
+        # Subscribed before the join has caught up, after, in any order: all must converge.
+        _subscribed(client, "mine", "order_summaries", {"customer_id": alice})
+    _subscribed(bystander, "bob", "order_summaries", {"customer_id": bob})
+
+    def holds(client: WsClient, sub: str, orders: set[str], name: str) -> bool:
+        rows = _rows(client, sub, "order_id")
+        return set(rows) == orders and all(r["customer_name"] == name for r in rows.values())
+
+    for client in watchers:
+        client.wait_for(lambda c=client: holds(c, "mine", alices, "Alice"), "Alice's 3", PIPELINE_S)
+    bystander.wait_for(lambda: holds(bystander, "bob", bobs, "Bob"), "Bob's order", PIPELINE_S)
+    bob_messages = len(bystander.of("bob"))
+
+    stack.command("rename-customer", {"name": "Alice Liddell"}, aggregate_id=alice)
+    for client in watchers:
+        client.wait_for(
+            lambda c=client: holds(c, "mine", alices, "Alice Liddell"),
+            "every summary of Alice renamed",
+            PIPELINE_S,
+        )
+        renamed = [
+            m
+            for m in client.of("mine", "change")
+            if m["row"] and m["row"]["customer_name"] == "Alice Liddell"
+        ]
+        # One change per order, no more: the join writes only rows that differ.
+        assert sorted(m["key"]["order_id"] for m in renamed) == sorted(alices)
+    # Rows of another customer did not change, so their subscriber got nothing.
+    assert len(bystander.of("bob")) == bob_messages
+    assert holds(bystander, "bob", bobs, "Bob")
+
+    # An order's own change updates its row; a cancelled order keeps its summary (status).
+    order = sorted(alices)[0]
+    stack.command("cancel-order", {"reason": "changed my mind"}, aggregate_id=order)
+    for client in watchers:
+        client.wait_for(
+            lambda c=client: _rows(c, "mine", "order_id")[order]["status"] == "cancelled",
+            "the cancelled order",
+            PIPELINE_S,
+        )
+    for client in [*watchers, bystander]:
+        assert client.close_code is None
+        client.close()
+
+
+def test_a_plain_table_edit_reaches_the_joined_view_and_its_subscribers(stack: Stack) -> None:
+    tag = uuid.uuid4().hex[:8]
+    author = f"Le Guin {tag}"
+    book = stack.command(
+        "add-book",
+        {"title": "Earthsea", "author": author, "price_cents": 2000, "royalty_rate": 0.25},
+    )
+    buyer = stack.command("register-customer", {"name": "Ged", "email": f"g-{tag}@example.com"})
+    order = stack.command(
+        "place-order", {"customer_id": buyer, "lines": [{"book_id": book, "quantity": 2}]}
+    )
+    stack.command("pay-order", {"amount_cents": 4000}, aggregate_id=order)
+
+    client = stack.client()
+    _subscribed(client, "page", "author_pages", {"author": author})
+
+    # No profile yet: an inner join has no row.
+    stack.sql(
+        "INSERT INTO author_profiles (author, bio, website) VALUES (%s, %s, %s)",
+        author,
+        "Wrote Earthsea.",
+        "https://example.com/ursula",
+    )
+
+    def page() -> dict[str, Any] | None:
+        return _rows(client, "page", "author").get(author)
+
+    client.wait_for(
+        lambda: (p := page()) is not None and p["bio"] == "Wrote Earthsea.",
+        "the joined page",
+        PIPELINE_S,
+    )
+    assert page() == {
+        "author": author,
+        "bio": "Wrote Earthsea.",
+        "website": "https://example.com/ursula",
+        "royalty_cents": 1000,  # 2 copies at 2000, 25 %
+        "units_sold": 2,
+    }
+
+    stack.sql(
+        "UPDATE author_profiles SET bio = %s WHERE author = %s", "Wrote Earthsea and more.", author
+    )
+    client.wait_for(
+        lambda: (p := page()) is not None and p["bio"] == "Wrote Earthsea and more.",
+        "the updated bio",
+        PIPELINE_S,
+    )
+
+    stack.sql("DELETE FROM author_profiles WHERE author = %s", author)
+    client.wait_for(lambda: page() is None, "the page deleted", PIPELINE_S)
+    deletes = [m for m in client.of("page", "change") if m["op"] == "delete"]
+    assert [m["key"] for m in deletes] == [{"author": author}]
+    with psycopg.connect(stack.settings.database()) as conn:
+        left = conn.execute("SELECT count(*) FROM author_pages WHERE author = %s", (author,))
+        assert left.fetchone() == (0,)
+    assert client.close_code is None
+    client.close()
