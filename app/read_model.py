@@ -6,20 +6,31 @@ import base64
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
 
+from cdc.capture import slot_name
 from commands.messages import Position
-from projections.base import Output, Projection
+from projections.base import Join, Output, Projection
 from projections.progress import table as progress_table
 from projections.registry import JOINS, PROJECTIONS
 from projections.wire import wire_row, wire_value
 from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
 from stack.topics import Topics
+
+
+def _poll(check: Callable[[], bool], deadline: float) -> bool:
+    """Whether `check()` became true before `deadline` (time.monotonic), polling every 50 ms."""
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class BadValue(ValueError):
@@ -137,34 +148,59 @@ class ReadModel:
         return {r.projection: dict(r._mapping) for r in rows}
 
     def includes(self, projection: Projection, position: Position) -> bool:
-        """Whether the projection has applied the event at `position` (or never will need to).
-
-        A joined view reads changelogs, not events, and a command's position is an event's
-        offset: no position of the join's own input corresponds to it. So a joined view counts
-        as including the event once every projection that writes one of its input tables from
-        that event's topic has applied it (never earlier); the join follows within its own lag,
-        which `lag()` and /health report."""
-        join = JOINS.get(projection.name)
-        if join is not None:
-            sources = [
-                p
-                for p in PROJECTIONS.values()
-                if any(o.name in join.tables for o in p.outputs)
-                and position.topic in {self.topics.events(t) for t in p.topics}
-            ]
-            return all(self.includes(p, position) for p in sources)
+        """Whether the projection has applied the event at `position` (or never will need to)."""
         if position.topic not in {self.topics.events(t) for t in projection.topics}:
             return True
         applied = self.progress().get(projection.name, {}).get("offsets", {})
         return int(applied.get(f"{position.topic}:{position.partition}", -1)) >= position.offset
 
     def wait_for(self, projection: Projection, position: Position, timeout: float) -> bool:
+        """Wait until the view includes the event at `position`; False after `timeout` s."""
         deadline = time.monotonic() + timeout
-        while not self.includes(projection, position):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        join = JOINS.get(projection.name)
+        if join is None:
+            return _poll(lambda: self.includes(projection, position), deadline)
+        return self._join_includes(join, position, deadline)
+
+    def _join_includes(self, join: Join, position: Position, deadline: float) -> bool:
+        """A joined view reads changelogs, not events, so it includes an event once (1) the
+        projections writing its input tables from the event's topic have applied it, (2) CDC
+        has confirmed the WAL up to a position taken after that (Kafka holds every change
+        committed before it) and (3) the join has applied its changelogs up to their ends as
+        they were then."""
+        sources = [
+            p
+            for p in PROJECTIONS.values()
+            if any(o.name in join.tables for o in p.outputs)
+            and position.topic in {self.topics.events(t) for t in p.topics}
+        ]
+        if not sources:
+            return True
+        if not _poll(lambda: all(self.includes(p, position) for p in sources), deadline):
+            return False
+        with self.engine.connect() as conn:
+            wal = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
+        if not _poll(lambda: self._cdc_confirmed(wal), deadline):
+            return False
+        topics = [self.topics.cdc(t) for t in join.tables]
+        ends = self._end_offsets([TopicPartition(t, 0) for t in topics])
+
+        def applied() -> bool:
+            done = self.progress().get(join.name, {}).get("offsets", {})
+            return all(int(done.get(k, -1)) >= end - 1 for k, end in ends.items())
+
+        return _poll(applied, deadline)
+
+    def _cdc_confirmed(self, wal: str) -> bool:
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                sa.text(
+                    "SELECT confirmed_flush_lsn >= CAST(:wal AS pg_lsn) FROM pg_replication_slots "
+                    "WHERE slot_name = :slot"
+                ),
+                {"wal": wal, "slot": slot_name(self.settings)},
+            ).scalar()
+        return bool(found)
 
     def end_offsets(self) -> dict[str, int]:
         """End offsets of every events partition and of the joins' changelogs, cached for a
@@ -173,26 +209,30 @@ class ReadModel:
             at, ends = self._ends
             if time.monotonic() - at < 1.0:
                 return ends
-            consumer = KafkaConsumer(
-                bootstrap_servers=self.settings.kafka(),
-                isolation_level="read_committed",
-                request_timeout_ms=3000,
-            )
-            try:
-                tps = [
-                    TopicPartition(self.topics.events(a), p)
-                    for a in {t for proj in PROJECTIONS.values() for t in proj.topics}
-                    for p in range(self.settings.partitions)
-                ] + [
-                    TopicPartition(self.topics.cdc(t), 0)
-                    for t in {t for join in JOINS.values() for t in join.tables}
-                ]
-                found = consumer.end_offsets(tps)
-            finally:
-                consumer.close()
-            ends = {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
+            tps = [
+                TopicPartition(self.topics.events(a), p)
+                for a in {t for proj in PROJECTIONS.values() for t in proj.topics}
+                for p in range(self.settings.partitions)
+            ] + [
+                TopicPartition(self.topics.cdc(t), 0)
+                for t in {t for join in JOINS.values() for t in join.tables}
+            ]
+            ends = self._end_offsets(tps)
             self._ends = (time.monotonic(), ends)
             return ends
+
+    def _end_offsets(self, partitions: list[TopicPartition]) -> dict[str, int]:
+        """The current end offsets of `partitions`, as "topic:partition" -> offset."""
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.settings.kafka(),
+            isolation_level="read_committed",
+            request_timeout_ms=3000,
+        )
+        try:
+            found = consumer.end_offsets(partitions)
+        finally:
+            consumer.close()
+        return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
 
     def lag(self) -> dict[str, dict[str, Any]]:
         """Per projection and join: events (for a join: changelog records) not yet applied,

@@ -452,7 +452,7 @@ def test_joined_views_are_served_like_the_others(
     assert api.get(f"/views/order_summaries/{uid('o')}", headers=AUTH).status_code == 404
 
 
-def test_a_joined_view_includes_a_position_once_its_source_projections_do(
+def test_a_joined_view_does_not_include_a_position_before_the_join_has_seen_it(
     deployment: Settings, api: FlaskClient
 ) -> None:
     topics = Topics(deployment.topic_prefix)
@@ -468,7 +468,10 @@ def test_a_joined_view_includes_a_position_once_its_source_projections_do(
             "ON CONFLICT (projection) DO UPDATE SET offsets = excluded.offsets",
             (f'{{"{topics.events("order")}:0": 0}}',),
         )
-    assert api.get(url.format(order_event), headers=AUTH).status_code == 200
+    # The orders projection has it now, but no CDC runs here: the join cannot have seen it.
+    r = api.get(url.format(order_event), headers=AUTH)
+    assert r.status_code == 504, r.json
+    assert set(r.json["error"]["details"][0]["lag"]) >= {"events", "seconds"}
 
 
 # --- crashes and rebuilds ----------------------------------------------------------------------

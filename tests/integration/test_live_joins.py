@@ -4,6 +4,8 @@ Every process is started with the real CLI; the plain table is written with plai
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,15 @@ import pytest
 from stack.procs import wait_until
 from stack.settings import Settings
 from tests.changes import slot_ready
-from tests.support import HttpApi, Processes, drop_cdc_slot, new_deployment, token
+from tests.support import (
+    REPO,
+    HttpApi,
+    Processes,
+    child_env,
+    drop_cdc_slot,
+    new_deployment,
+    token,
+)
 from tests.wsclient import WsClient, fold
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -98,7 +108,17 @@ def test_renaming_a_customer_reaches_every_subscriber_of_its_order_summaries(
     bystander.wait_for(lambda: holds(bystander, "bob", bobs, "Bob"), "Bob's order", PIPELINE_S)
     bob_messages = len(bystander.of("bob"))
 
-    stack.command("rename-customer", {"name": "Alice Liddell"}, aggregate_id=alice)
+    renamed_at = stack.api.command(
+        "rename-customer", {"name": "Alice Liddell"}, aggregate_id=alice
+    ).body["position"]
+    # Read-your-writes on a joined view: the read waits for the join, not only for `customers`.
+    read = stack.api.get(
+        "/views/order_summaries",
+        params={"customer_id": alice, "consistent_with": renamed_at, "wait": 25},
+        headers={"Authorization": f"Bearer {token('views:read')}"},
+    )
+    assert read.status_code == 200, read.text
+    assert {r["customer_name"] for r in read.json()["rows"]} == {"Alice Liddell"}
     for client in watchers:
         client.wait_for(
             lambda c=client: holds(c, "mine", alices, "Alice Liddell"),
@@ -187,4 +207,58 @@ def test_a_plain_table_edit_reaches_the_joined_view_and_its_subscribers(stack: S
         left = conn.execute("SELECT count(*) FROM author_pages WHERE author = %s", (author,))
         assert left.fetchone() == (0,)
     assert client.close_code is None
+    client.close()
+
+
+def test_logfold_rebuild_of_a_joined_view_sends_resync_and_a_snapshot_equal_to_it(
+    stack: Stack,
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    carol = stack.command("register-customer", {"name": "Carol", "email": f"c-{tag}@example.com"})
+    book = stack.command(
+        "add-book",
+        {"title": "Kindred", "author": f"Butler {tag}", "price_cents": 1500, "royalty_rate": 0.1},
+    )
+    orders = {
+        stack.command(
+            "place-order", {"customer_id": carol, "lines": [{"book_id": book, "quantity": n}]}
+        )
+        for n in (1, 2)
+    }
+    client = stack.client()
+    _subscribed(client, "s", "order_summaries", {"customer_id": carol})
+    client.wait_for(lambda: set(_rows(client, "s", "order_id")) == orders, "Carol's", PIPELINE_S)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "stack.cli", "rebuild", "order_summaries", "--verify"],
+        cwd=REPO,
+        env=child_env(stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "verify order_summaries: identical to the live view" in done.stdout
+
+    client.wait_for(lambda: bool(client.of("s", "resync")), "resync after the rebuild", 60)
+    client.wait_for(lambda: len(client.of("s", "snapshot")) == 2, "a new snapshot", 60)
+    kinds = [m["type"] for m in client.of("s")]
+    assert kinds[kinds.index("resync") + 1] == "snapshot", kinds
+    with psycopg.connect(stack.settings.database()) as conn:
+        view = conn.execute(
+            "SELECT order_id, total_cents FROM order_summaries WHERE customer_id = %s", (carol,)
+        ).fetchall()
+    snapshot = client.of("s", "snapshot")[-1]["rows"]
+    assert sorted((r["order_id"], r["total_cents"]) for r in snapshot) == sorted(view)
+    assert {r[1] for r in view} == {1500, 3000}
+
+    # And the stream goes on after the resync.
+    stack.command("rename-customer", {"name": "Carol B."}, aggregate_id=carol)
+    client.wait_for(
+        lambda: (
+            {r["customer_name"] for r in _rows(client, "s", "order_id").values()} == {"Carol B."}
+        ),
+        "the rename after the rebuild",
+        PIPELINE_S,
+    )
     client.close()
