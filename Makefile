@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make run` and `make test`. Both set up what they need.
-.PHONY: bootstrap run test test-unit lint bench help
+.PHONY: bootstrap run test test-unit lint bench bench-live help
 
 help:
 	@echo "make run        run the whole stack locally (Kafka, Postgres, processors, API on :8000)"
@@ -7,6 +7,7 @@ help:
 	@echo "make test-unit  only the fast unit tests"
 	@echo "make lint       ruff + mypy"
 	@echo "make bench      benchmarks (results go to docs/benchmarks.md by hand)"
+	@echo "make bench-live websocket push benchmarks: freshness and 1,000-subscriber fan-out"
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -27,3 +28,7 @@ lint: bootstrap
 
 bench: bootstrap
 	.venv/bin/python bench/commands.py
+
+bench-live: bootstrap
+	.venv/bin/python bench/live.py freshness --rates 5 20 50 --duration 60 --repeats 3
+	.venv/bin/python bench/live.py fanout --clients 1000 --rates 1 2 5 10 --duration 30 --repeats 3

@@ -1,0 +1,107 @@
+"""CPU time, memory and threads of process trees, from /proc (Linux): to tell which process
+limits a benchmark."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # fields from the 3rd (state) on
+
+
+def tree(pid: int) -> list[int]:
+    """The process and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, ()))
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """(user, system) CPU time the processes, and their children that ended (Postgres
+    backends, say), have used so far."""
+    user = system = 0
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None:
+            user += int(fields[11]) + int(fields[13])  # utime, cutime
+            system += int(fields[12]) + int(fields[14])  # stime, cstime
+    return user / TICK, system / TICK
+
+
+def status(pid: int, field: str) -> int:
+    """A numeric field of /proc/<pid>/status (`VmRSS` in kB, `Threads`), 0 if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def rss_mib(pids: list[int]) -> float:
+    return sum(status(p, "VmRSS") for p in pids) / 1024
+
+
+def threads(pids: list[int]) -> int:
+    return sum(status(p, "Threads") for p in pids)
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, all cores."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / TICK, sum(fields) / TICK
+
+
+class CpuMeter:
+    """CPU used by named process trees between `start()` and `stop()`, in % of one core:
+    `<name>_pct` (user + system) and `<name>_sys_pct` (system alone)."""
+
+    def __init__(self, roots: dict[str, int], alone: tuple[str, ...] = ()) -> None:
+        self.roots, self.alone = roots, alone  # `alone`: without their descendants
+        self.begin: dict[str, tuple[float, float]] = {}
+        self.t0 = 0.0
+        self.machine0 = (0.0, 0.0)
+
+    def _now(self) -> dict[str, tuple[float, float]]:
+        return {
+            name: cpu_seconds([pid] if name in self.alone else tree(pid))
+            for name, pid in self.roots.items()
+        }
+
+    def start(self) -> None:
+        self.begin, self.t0, self.machine0 = self._now(), time.monotonic(), machine_busy()
+
+    def stop(self) -> dict[str, float]:
+        end, wall, (busy, total) = self._now(), time.monotonic() - self.t0, machine_busy()
+        used: dict[str, float] = {}
+        for name, (user, system) in end.items():
+            user0, system0 = self.begin[name]
+            used[f"{name}_pct"] = 100 * (user + system - user0 - system0) / wall
+            used[f"{name}_sys_pct"] = 100 * (system - system0) / wall
+        ours = sum(v for k, v in used.items() if not k.endswith("_sys_pct"))
+        used["machine_busy_pct"] = 100 * (busy - self.machine0[0]) / (total - self.machine0[1])
+        # Everything else on the machine, in % of one core: other work disturbs the figures.
+        used["others_pct"] = 100 * (busy - self.machine0[0]) / wall - ours
+        used["cores"] = round((total - self.machine0[1]) / wall)
+        used["wall_s"] = wall
+        return used
