@@ -242,38 +242,30 @@ class ReadModel:
         bound; caught up, it is exactly 0 (the last marker after the last event is skipped)."""
         ends, progress = self.end_offsets(), self.progress()
         now = datetime.now(UTC)
-        out = {}
+        # How far each reader is behind its partitions: a projection's event partitions count
+        # transaction markers; a join's changelogs (one partition each) have none.
+        behind: dict[str, int] = {}
         for name, projection in PROJECTIONS.items():
-            p = progress.get(name, {})
-            applied = p.get("offsets", {})
-            behind = 0
+            applied = progress.get(name, {}).get("offsets", {})
+            behind[name] = 0
             for topic in projection.topics:
                 for part in range(self.settings.partitions):
                     k = f"{self.topics.events(topic)}:{part}"
                     last = int(applied.get(k, -1))
-                    behind += max(ends.get(k, 0) - last - (2 if last >= 0 else 1), 0)
+                    behind[name] += max(ends.get(k, 0) - last - (2 if last >= 0 else 1), 0)
+        for name, join in JOINS.items():
+            applied = progress.get(name, {}).get("offsets", {})
+            keys = [f"{self.topics.cdc(table)}:0" for table in join.tables]
+            behind[name] = sum(max(ends.get(k, 0) - int(applied.get(k, -1)) - 1, 0) for k in keys)
+        out = {}
+        for name, events in behind.items():
+            p = progress.get(name, {})
             updated = p.get("updated_at")
-            seconds = (now - updated).total_seconds() if behind and updated else 0.0
+            seconds = (now - updated).total_seconds() if events and updated else 0.0
             out[name] = {
-                "events": behind,
+                "events": events,
                 "seconds": round(seconds, 3),
                 "late_events": int(p.get("late_events", 0)),
-                "generation": int(p.get("generation", 0)),
-            }
-        for name, join in JOINS.items():
-            # A join's lag is in changelog records (one partition each, no transaction markers).
-            p = progress.get(name, {})
-            applied = p.get("offsets", {})
-            behind = 0
-            for table in join.tables:
-                k = f"{self.topics.cdc(table)}:0"
-                behind += max(ends.get(k, 0) - int(applied.get(k, -1)) - 1, 0)
-            updated = p.get("updated_at")
-            seconds = (now - updated).total_seconds() if behind and updated else 0.0
-            out[name] = {
-                "events": behind,
-                "seconds": round(seconds, 3),
-                "late_events": 0,
                 "generation": int(p.get("generation", 0)),
             }
         return out

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -55,28 +54,7 @@ from bench.wsfleet import Fleet
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import REPO, HttpApi, Processes, child_env, token
-
-
-class Deployment(Processes):
-    """The deployment's processes, with extra `LOGFOLD_*` settings for them (the children do
-    not inherit the parent's)."""
-
-    def __init__(self, settings: Settings, logdir: Path, env: dict[str, str]) -> None:
-        super().__init__(settings, logdir)
-        self.env = env
-
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = (self.logdir / f"{name}-{len(self.procs)}.log").open("ab")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stack.cli", *args],
-            cwd=REPO,
-            env={**child_env(self.settings), **self.env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        return proc
+from tests.support import HttpApi, Processes, token
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -215,7 +193,7 @@ def open_loop(rate: float, duration: float, one: Callable[[int, float], None]) -
 def freshness(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack()
     with stack as settings:
-        procs = Deployment(settings, stack.work, {})
+        procs = Processes(settings, stack.work)
         try:
             roots = {
                 "processor": procs.processor().pid,
@@ -356,7 +334,7 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack()
     with stack as settings:
         api_threads = args.api_threads or args.clients + 200
-        procs = Deployment(settings, stack.work, {"LOGFOLD_API_THREADS": str(api_threads)})
+        procs = Processes(settings, stack.work, {"LOGFOLD_API_THREADS": str(api_threads)})
         fleets: list[Fleet] = []
         try:
             keys = _seed(settings, args.rows)

@@ -167,8 +167,9 @@ def child_env(settings: Settings) -> dict[str, str]:
 class Processes:
     """API and processor processes of one deployment, started with the real CLI."""
 
-    def __init__(self, settings: Settings, logdir: Path) -> None:
+    def __init__(self, settings: Settings, logdir: Path, env: dict[str, str] | None = None) -> None:
         self.settings, self.logdir = settings, logdir
+        self.env = env or {}  # extra `LOGFOLD_*` settings (children do not inherit the parent's)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
@@ -176,7 +177,7 @@ class Processes:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stack.cli", *args],
             cwd=REPO,
-            env=child_env(self.settings),
+            env={**child_env(self.settings), **self.env},
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -100,7 +100,7 @@ def refs() -> FakeReferences:
     return FakeReferences()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped after each module: integration tests need their own
 def spark() -> Iterator[SparkSession]:
     session = (
         SparkSession.builder.master("local[1]")
