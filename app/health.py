@@ -57,17 +57,26 @@ class HealthChecks:
         return results
 
     def projections(self) -> Status:
-        """A projection is up unless it is behind and has not advanced for STALE_S seconds."""
+        """A projection (or join) is up unless it failed (a transform or a row raised: the
+        error and the offsets it could not get past are shown; the others go on) or it is
+        behind and has not advanced for STALE_S seconds."""
         assert self.read_model is not None
         each = {}
         for name, lag in self.read_model.lag().items():
             stale = lag["events"] > 0 and lag["seconds"] > STALE_S
+            status = "failed" if "failed" in lag else "down" if stale else "up"
             each[name] = {
-                "status": "down" if stale else "up",
+                "status": status,
                 "lag_events": lag["events"],
                 "lag_seconds": lag["seconds"],
                 "late_events": lag["late_events"],
             }
+            if "failed" in lag:
+                each[name].update(
+                    error=lag["failed"]["error"],
+                    failed_at_offsets=lag["failed"]["offsets"],
+                    failed_at=lag["failed"]["at"],
+                )
         return {"each": each}
 
     def cdc(self) -> Status:

@@ -49,9 +49,18 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.failed = Gauge(
+            "logfold_component_failed",
+            "1 while the projection or join is stopped by an error (see /health for it)",
+            ["component"],
+            registry=self.registry,
+        )
+
     def record_health(self, components: dict[str, dict[str, Any]]) -> None:
         for name, status in components.items():
             self.component_up.labels(name).set(1 if status["status"] == "up" else 0)
+            if name.startswith("projection:"):
+                self.failed.labels(name).set(1 if status["status"] == "failed" else 0)
             if "lag_events" in status:
                 self.component_lag.labels(name).set(status["lag_events"])
             if "lag_seconds" in status:

@@ -15,9 +15,9 @@ from kafka import KafkaConsumer, TopicPartition
 
 from cdc.capture import slot_name
 from commands.messages import Position
-from projections.base import Join, Output, Projection
+from projections.base import Fold, View
 from projections.progress import table as progress_table
-from projections.registry import JOINS, PROJECTIONS
+from projections.registry import FOLDS, writers
 from projections.wire import wire_row, wire_value
 from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
@@ -89,7 +89,7 @@ class ReadModel:
         self._lock = threading.Lock()
 
     def rows(
-        self, output: Output, filters: dict[str, str], limit: int, cursor: str | None
+        self, output: View, filters: dict[str, str], limit: int, cursor: str | None
     ) -> tuple[list[dict[str, Any]], str | None]:
         t = output.table
         key = [t.c[k] for k in output.key]
@@ -109,7 +109,7 @@ class ReadModel:
         )
         return page, next_cursor
 
-    def row(self, output: Output, key: list[str]) -> dict[str, Any] | None:
+    def row(self, output: View, key: list[str]) -> dict[str, Any] | None:
         t = output.table
         query = sa.select(t)
         for name, value in zip(output.key, key, strict=True):
@@ -118,13 +118,13 @@ class ReadModel:
             found = conn.execute(query).first()
         return jsonable(found) if found else None
 
-    def filter_values(self, output: Output, filters: dict[str, Any]) -> dict[str, Any]:
+    def filter_values(self, output: View, filters: dict[str, Any]) -> dict[str, Any]:
         """Filter values checked against their columns, in wire form (as rows carry them)."""
         t = output.table
         return {c: None if v is None else wire_value(coerce(t.c[c], v)) for c, v in filters.items()}
 
     def snapshot(
-        self, output: Output, filters: dict[str, Any], limit: int
+        self, output: View, filters: dict[str, Any], limit: int
     ) -> tuple[list[dict[str, Any]], int]:
         """The rows matching `filters` (at most limit + 1) and the WAL position they are exact
         at: the table is share-locked (writers wait a moment, readers do not) so every
@@ -147,49 +147,50 @@ class ReadModel:
             rows = conn.execute(sa.select(progress_table)).fetchall()
         return {r.projection: dict(r._mapping) for r in rows}
 
-    def includes(self, projection: Projection, position: Position) -> bool:
-        """Whether the projection has applied the event at `position` (or never will need to)."""
-        if position.topic not in {self.topics.events(t) for t in projection.topics}:
-            return True
-        applied = self.progress().get(projection.name, {}).get("offsets", {})
-        return int(applied.get(f"{position.topic}:{position.partition}", -1)) >= position.offset
+    def includes(self, fold: Fold, position: Position) -> bool:
+        """Whether `fold` has applied the record at `position`, if it reads its partition."""
+        key = f"{position.topic}:{position.partition}"
+        applied = self.progress().get(fold.name, {}).get("offsets", {})
+        return int(applied.get(key, -1)) >= position.offset
 
-    def wait_for(self, projection: Projection, position: Position, timeout: float) -> bool:
+    def reads(self, fold: Fold, position: Position) -> bool:
+        """Whether `fold` reads the partition of `position`."""
+        key = f"{position.topic}:{position.partition}"
+        return key in fold.reads(self.topics, self.settings.partitions)
+
+    def wait_for(self, fold: Fold, position: Position, timeout: float) -> bool:
         """Wait until the view includes the event at `position`; False after `timeout` s."""
-        deadline = time.monotonic() + timeout
-        join = JOINS.get(projection.name)
-        if join is None:
-            return _poll(lambda: self.includes(projection, position), deadline)
-        return self._join_includes(join, position, deadline)
+        return self._wait(fold, position, time.monotonic() + timeout)
 
-    def _join_includes(self, join: Join, position: Position, deadline: float) -> bool:
-        """A joined view reads changelogs, not events, so it includes an event once (1) the
-        projections writing its input tables from the event's topic have applied it, (2) CDC
-        has confirmed the WAL up to a position taken after that (Kafka holds every change
-        committed before it) and (3) the join has applied its changelogs up to their ends as
-        they were then."""
-        sources = [
-            p
-            for p in PROJECTIONS.values()
-            if any(o.name in join.tables for o in p.outputs)
-            and position.topic in {self.topics.events(t) for t in p.topics}
-        ]
-        if not sources:
+    def _wait(self, fold: Fold, position: Position, deadline: float) -> bool:
+        """A fold that reads the event's partition includes it once its progress passed it. A
+        fold that reads changelogs includes it once (1) the folds writing its input tables
+        include it, (2) CDC has confirmed the WAL up to a position taken after that (Kafka holds
+        every change committed before it) and (3) it has applied its changelogs up to their
+        ends as they were then. A fold that depends on neither never needs to wait."""
+        if self.reads(fold, position):
+            return _poll(lambda: self.includes(fold, position), deadline)
+        feeders = [w for w in writers(fold) if self._depends(w, position)]
+        if not feeders:
             return True
-        if not _poll(lambda: all(self.includes(p, position) for p in sources), deadline):
+        if not all(self._wait(w, position, deadline) for w in feeders):
             return False
         with self.engine.connect() as conn:
             wal = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
         if not _poll(lambda: self._cdc_confirmed(wal), deadline):
             return False
-        topics = [self.topics.cdc(t) for t in join.tables]
-        ends = self._end_offsets([TopicPartition(t, 0) for t in topics])
+        reads = fold.reads(self.topics, self.settings.partitions)
+        ends = self._end_offsets([_partition(k) for k in reads])
 
         def applied() -> bool:
-            done = self.progress().get(join.name, {}).get("offsets", {})
+            done = self.progress().get(fold.name, {}).get("offsets", {})
             return all(int(done.get(k, -1)) >= end - 1 for k, end in ends.items())
 
         return _poll(applied, deadline)
+
+    def _depends(self, fold: Fold, position: Position) -> bool:
+        """Whether the event at `position` can change what `fold` writes."""
+        return self.reads(fold, position) or any(self._depends(w, position) for w in writers(fold))
 
     def _cdc_confirmed(self, wal: str) -> bool:
         with self.engine.connect() as conn:
@@ -203,21 +204,14 @@ class ReadModel:
         return bool(found)
 
     def end_offsets(self) -> dict[str, int]:
-        """End offsets of every events partition and of the joins' changelogs, cached for a
-        second."""
+        """End offsets of every partition a fold reads, cached for a second."""
         with self._lock:
             at, ends = self._ends
             if time.monotonic() - at < 1.0:
                 return ends
-            tps = [
-                TopicPartition(self.topics.events(a), p)
-                for a in {t for proj in PROJECTIONS.values() for t in proj.topics}
-                for p in range(self.settings.partitions)
-            ] + [
-                TopicPartition(self.topics.cdc(t), 0)
-                for t in {t for join in JOINS.values() for t in join.tables}
-            ]
-            ends = self._end_offsets(tps)
+            n = self.settings.partitions
+            keys = {k for fold in FOLDS.values() for k in fold.reads(self.topics, n)}
+            ends = self._end_offsets([_partition(k) for k in sorted(keys)])
             self._ends = (time.monotonic(), ends)
             return ends
 
@@ -235,37 +229,32 @@ class ReadModel:
         return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
 
     def lag(self) -> dict[str, dict[str, Any]]:
-        """Per projection and join: events (for a join: changelog records) not yet applied,
-        seconds behind, late events seen, generation.
-
-        Offsets count transaction markers too, so while behind the event count is an upper
-        bound; caught up, it is exactly 0 (the last marker after the last event is skipped)."""
+        """Per fold (projection or join): records not yet applied (see `Fold.behind`), seconds
+        behind, late events seen, generation, and its failure if it failed."""
         ends, progress = self.end_offsets(), self.progress()
         now = datetime.now(UTC)
-        # How far each reader is behind its partitions: a projection's event partitions count
-        # transaction markers; a join's changelogs (one partition each) have none.
-        behind: dict[str, int] = {}
-        for name, projection in PROJECTIONS.items():
-            applied = progress.get(name, {}).get("offsets", {})
-            behind[name] = 0
-            for topic in projection.topics:
-                for part in range(self.settings.partitions):
-                    k = f"{self.topics.events(topic)}:{part}"
-                    last = int(applied.get(k, -1))
-                    behind[name] += max(ends.get(k, 0) - last - (2 if last >= 0 else 1), 0)
-        for name, join in JOINS.items():
-            applied = progress.get(name, {}).get("offsets", {})
-            keys = [f"{self.topics.cdc(table)}:0" for table in join.tables]
-            behind[name] = sum(max(ends.get(k, 0) - int(applied.get(k, -1)) - 1, 0) for k in keys)
         out = {}
-        for name, events in behind.items():
+        for name, fold in FOLDS.items():
             p = progress.get(name, {})
+            applied = p.get("offsets", {})
+            behind = fold.behind(applied, ends, self.topics, self.settings.partitions)
             updated = p.get("updated_at")
-            seconds = (now - updated).total_seconds() if events and updated else 0.0
+            seconds = (now - updated).total_seconds() if behind and updated else 0.0
             out[name] = {
-                "events": events,
+                "events": behind,
                 "seconds": round(seconds, 3),
                 "late_events": int(p.get("late_events", 0)),
                 "generation": int(p.get("generation", 0)),
             }
+            if p.get("error"):
+                out[name]["failed"] = {
+                    "error": p["error"],
+                    "offsets": p.get("error_offsets") or {},
+                    "at": wire_value(p.get("failed_at")),
+                }
         return out
+
+
+def _partition(key: str) -> TopicPartition:
+    topic, _, partition = key.rpartition(":")
+    return TopicPartition(topic, int(partition))

@@ -12,7 +12,7 @@ from app.auth import require
 from app.errors import ApiError
 from app.read_model import BadValue, ReadModel
 from commands.messages import Position
-from projections.base import Output, Projection
+from projections.base import Fold, View
 from projections.registry import VIEWS
 
 bp = Blueprint("views", __name__)
@@ -25,7 +25,7 @@ def _model() -> ReadModel:
     return model
 
 
-def _view(name: str) -> tuple[Projection, Output]:
+def _view(name: str) -> tuple[Fold, View]:
     found = VIEWS.get(name)
     if found is None:
         raise ApiError(404, "not_found", f"unknown view {name!r}; GET /views lists them")
@@ -50,7 +50,7 @@ def _number(name: str, default: float, low: float, high: float) -> float:
     return value
 
 
-def _consistent(projection: Projection) -> None:
+def _consistent(projection: Fold) -> None:
     """Wait until the view includes `consistent_with` (query or X-Consistent-With), or 504."""
     token = request.args.get("consistent_with") or request.headers.get("X-Consistent-With")
     if not token:

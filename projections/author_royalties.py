@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from decimal import ROUND_HALF_UP, Decimal
+from typing import TYPE_CHECKING
 
-from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 from sqlalchemy import BigInteger, Column, Table, Text
 
 from projections import metadata
 from projections.base import Output, Projection
-from projections.fold import paid_lines
-from projections.fold import royalty_cents as royalty_column
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 table = Table(
     "author_royalties",
@@ -29,6 +29,9 @@ def royalty_cents(quantity: int, unit_price_cents: int, rate: float) -> int:
 
 
 def transform(events: DataFrame) -> DataFrame:
+    from projections._fold import F, paid_lines
+    from projections._fold import royalty_cents as royalty_column
+
     lines = paid_lines(events)
     return lines.groupBy("author").agg(
         F.sum(royalty_column(F.col("quantity"), F.col("unit_price_cents"), F.col("royalty_rate")))
@@ -44,7 +47,7 @@ projection = Projection(
     outputs=(
         Output(
             table,
-            transform,
+            transform=transform,
             merge={"royalty_cents": "sum", "units_sold": "sum"},
             version_column=None,
         ),

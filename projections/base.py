@@ -1,18 +1,23 @@
-"""What a projection declares, and the SQL that applies its rows to Postgres.
+"""What the read side folds, declared without Spark: projections (events -> views) and joins
+(changelogs -> a joined view), and the SQL that applies their rows to Postgres.
 
-A projection reads some event topics and writes one or more tables (`Output`s). Each output has
-a pure Spark `transform(events) -> rows` (see `spark/decode.py` for the events' columns) and a
-merge rule per column:
+Both are `Fold`s: each reads some partitions of the log, keeps its own progress (the last
+applied offset of each partition, in `projection_progress`, written in the same transaction as
+its rows) and writes views. The Spark side (`spark/`) runs every fold of a kind in one pipeline.
+
+A `Projection` reads event topics and writes one or more tables (`Output`s). Each output has a
+pure Spark `transform(events) -> rows` (the events' columns: `spark/decode.py`) and a merge rule
+per column:
 
 - `latest`: the value of the newest event (by aggregate `version`) that set it; a row from an
   older version never overwrites a newer one;
 - `sum`: added to what the table holds;
 - key columns identify the row.
 
-The same transform serves the live projector (applied to each micro-batch, then merged with
+The same transform serves the live pipeline (applied to each micro-batch, then merged with
 these rules) and the rebuild (applied to the whole log, then bulk-loaded), so both produce the
-same rows. Exactly-once comes from the projection's progress (offsets per topic-partition) being
-written in the same transaction as its rows; see `spark/sink.py`.
+same rows. Transforms import pyspark inside their body: the API, CDC and migrations import the
+declarations and never load Spark.
 
 A `Join` declares a view that is the inner join of two captured tables, folded from their CDC
 changelogs rather than from events (see `spark/join.py`).
@@ -21,41 +26,49 @@ changelogs rather than from events (see `spark/join.py`).
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
 
-from projections.changelog import joined_rows
-
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from stack.topics import Topics
 
 Merge = Literal["latest", "sum"]
+Offsets = dict[str, int]  # "topic:partition" -> last applied offset
 
 
 @dataclass(frozen=True)
-class Output:
+class View:
+    """A table the API serves: its key, columns and the columns it can be filtered on."""
+
     table: Table
-    transform: Callable[[DataFrame], DataFrame]
-    merge: dict[str, Merge]
     filterable: tuple[str, ...] = ()
-    version_column: str | None = "version"
-    late: bool = False  # its rows are late events, counted in the projection's progress
 
     @property
     def name(self) -> str:
-        return self.table.name
+        return str(self.table.name)  # a plain str: Spark refuses str subclasses as names
 
     @property
     def key(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.table.primary_key.columns)
+        return tuple(str(c.name) for c in self.table.primary_key.columns)
 
     @property
     def columns(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.table.columns)
+        return tuple(str(c.name) for c in self.table.columns)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Output(View):
+    """A view a projection writes, with the Spark transform that makes its rows from events."""
+
+    transform: Callable[[Any], Any]  # pyspark DataFrame -> DataFrame (see spark/decode.py)
+    merge: dict[str, Merge]
+    version_column: str | None = "version"
+    late: bool = False  # its rows are late events, counted in the projection's progress
 
     def upsert_sql(self, target: str, source: str) -> str:
         """Merge rows from `source` (same columns) into `target` by this output's rules."""
@@ -81,11 +94,54 @@ class Output:
         )
 
 
+class Fold(ABC):
+    """Something the read side folds into views from partitions of the log, with its own
+    progress (the `projection_progress` row named after it): a projection or a join."""
+
+    name: str  # also the name of its progress row
+    transactional: ClassVar[bool]  # its partitions hold transaction markers (they take offsets)
+
+    @property
+    @abstractmethod
+    def views(self) -> tuple[View, ...]:
+        """The tables it writes."""
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The captured tables it reads through their changelogs (none: it reads events)."""
+        return ()
+
+    @abstractmethod
+    def reads(self, topics: Topics, partitions: int) -> list[str]:
+        """The partitions it folds, as its progress names them ("topic:partition")."""
+
+    def behind(self, applied: Offsets, ends: Offsets, topics: Topics, partitions: int) -> int:
+        """Records of its partitions after `applied`, given their `ends` (next offsets).
+        Offsets count transaction markers too, so while behind this is an upper bound; caught
+        up, it is exactly 0 (the marker after the last applied record is not counted)."""
+        total = 0
+        for k in self.reads(topics, partitions):
+            last = int(applied.get(k, -1))
+            marker = 1 if self.transactional and last >= 0 else 0
+            total += max(ends.get(k, 0) - last - 1 - marker, 0)
+        return total
+
+
 @dataclass(frozen=True)
-class Projection:
+class Projection(Fold):
+    """Folds the events of some aggregate types (`topics`) into its outputs."""
+
     name: str
     topics: tuple[str, ...]  # aggregate types whose events it reads
     outputs: tuple[Output, ...] = field(default_factory=tuple)
+    transactional: ClassVar[bool] = True  # the command processors write in transactions
+
+    @property
+    def views(self) -> tuple[View, ...]:
+        return self.outputs
+
+    def reads(self, topics: Topics, partitions: int) -> list[str]:
+        return [f"{topics.events(t)}:{p}" for t in self.topics for p in range(partitions)]
 
 
 Role = Literal["left", "right"]
@@ -106,7 +162,7 @@ class Side:
 
 
 @dataclass(frozen=True)
-class Join:
+class Join(Fold):
     """A view that is the inner join of two captured tables, kept current from their changelogs.
 
     A joined row exists iff a row of each side exists with equal join columns (NULL matches
@@ -126,6 +182,7 @@ class Join:
     right: Side
     sources: dict[str, tuple[Role, str]]
     filterable: tuple[str, ...] = ()
+    transactional: ClassVar[bool] = False  # CDC writes changelogs without transactions
 
     def __post_init__(self) -> None:
         columns = set(self.columns)
@@ -161,7 +218,7 @@ class Join:
         )
 
     @property
-    def name(self) -> str:
+    def name(self) -> str:  # type: ignore[override]
         return str(self.table.name)  # a plain str: Spark refuses str subclasses as query names
 
     @property
@@ -177,25 +234,19 @@ class Join:
         """The captured tables it reads (one for a self-join)."""
         return tuple(dict.fromkeys((self.left.table, self.right.table)))
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.tables
+
+    @property
+    def views(self) -> tuple[View, ...]:
+        return (View(self.table, self.filterable),)
+
+    def reads(self, topics: Topics, partitions: int) -> list[str]:
+        return [f"{topics.cdc(t)}:0" for t in self.tables]  # a changelog has one partition
+
     def side(self, role: Role) -> Side:
         return self.left if role == "left" else self.right
-
-    @property
-    def projection(self) -> Projection:
-        """How the API sees it: a projection named after the view that reads no events."""
-        return Projection(self.name, topics=())
-
-    @property
-    def output(self) -> Output:
-        """Its view as an `Output`, whose transform folds changelog records (columns `table`,
-        `key`, `row`, `lsn`, `seq`; see `projections/changelog.py`) into the view's rows."""
-
-        def transform(records: DataFrame) -> DataFrame:
-            return joined_rows(self, records)
-
-        return Output(
-            self.table, transform, merge={}, filterable=self.filterable, version_column=None
-        )
 
     # -- SQL over join_state (names are checked above, so they are safe to inline) ----------
 

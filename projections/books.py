@@ -1,12 +1,14 @@
 from __future__ import annotations
 
-from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
+from typing import TYPE_CHECKING
+
 from sqlalchemy import BigInteger, Column, Float, Table, Text
 
 from projections import metadata
 from projections.base import Output, Projection
-from projections.fold import field, latest, paid_lines, when_type
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 table = Table(
     "books",
@@ -22,6 +24,8 @@ table = Table(
 
 
 def transform(events: DataFrame) -> DataFrame:
+    from projections._fold import F, field, latest, paid_lines, when_type
+
     e = events.where(F.col("aggregate_type") == "book")
     details = latest(
         e.select(
@@ -50,7 +54,7 @@ projection = Projection(
     outputs=(
         Output(
             table,
-            transform,
+            transform=transform,
             merge={
                 **dict.fromkeys(("title", "author", "price_cents", "royalty_rate"), "latest"),
                 "units_sold": "sum",

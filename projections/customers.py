@@ -1,12 +1,14 @@
 from __future__ import annotations
 
-from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
+from typing import TYPE_CHECKING
+
 from sqlalchemy import BigInteger, Column, DateTime, Table, Text
 
 from projections import metadata
 from projections.base import Output, Projection
-from projections.fold import field, latest, when_type
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 table = Table(
     "customers",
@@ -20,6 +22,8 @@ table = Table(
 
 
 def transform(events: DataFrame) -> DataFrame:
+    from projections._fold import F, field, latest, when_type
+
     e = events.where(F.col("aggregate_type") == "customer")
     rows = e.select(
         F.col("aggregate_id").alias("customer_id"),
@@ -37,7 +41,7 @@ projection = Projection(
     outputs=(
         Output(
             table,
-            transform,
+            transform=transform,
             merge=dict.fromkeys(("name", "email", "registered_at"), "latest"),
             filterable=("name", "email"),
         ),

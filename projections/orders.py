@@ -1,12 +1,14 @@
 from __future__ import annotations
 
-from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
+from typing import TYPE_CHECKING
+
 from sqlalchemy import BigInteger, Column, DateTime, Integer, Table, Text
 
 from projections import metadata
 from projections.base import Output, Projection
-from projections.fold import field, latest, when_type
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 table = Table(
     "orders",
@@ -31,6 +33,8 @@ STATUS = {
 
 
 def transform(events: DataFrame) -> DataFrame:
+    from projections._fold import F, field, latest, when_type
+
     e = events.where(F.col("aggregate_type") == "order")
     status = F.create_map(*(F.lit(x) for kv in STATUS.items() for x in kv))[F.col("type")]
     rows = e.select(
@@ -53,7 +57,7 @@ projection = Projection(
     outputs=(
         Output(
             table,
-            transform,
+            transform=transform,
             merge=dict.fromkeys(
                 (
                     "customer_id",

@@ -1,5 +1,6 @@
-"""How far each projection has folded the log: the last applied offset of every topic-partition,
-written in the same transaction as the projection's rows."""
+"""How far each projection (and join) has folded the log: the last applied offset of every
+topic-partition, written in the same transaction as its rows; and whether it failed (a transform
+that raised: the error, the offsets it could not get past, when) while the others went on."""
 
 from __future__ import annotations
 
@@ -17,4 +18,8 @@ table = Table(
     Column("late_events", BigInteger, nullable=False, server_default="0"),
     Column("generation", BigInteger, nullable=False, server_default="0"),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("error", Text),  # set while failed: it is not folded until the pipeline restarts
+    Column("error_offsets", JSONB),  # "topic:partition" -> the first offset it could not apply
+    Column("failed_at", DateTime(timezone=True)),
+    Column("started_at", DateTime(timezone=True)),  # its pipeline's query last started (warm)
 )

@@ -1,7 +1,8 @@
 """Every projection and every join: each module of this package that defines `projection`
 (folds events) or `join` (joins two captured tables from their changelogs).
 
-Adding a view = a module here (its table and transform, or its join) + a migration; nothing else."""
+Adding a view = a module here (its table and transform, or its join) + a migration; nothing else.
+Importing this module never loads Spark (transforms import it when they run)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from sqlalchemy import Table
 
 import projections
 from projections import progress
-from projections.base import Join, Output, Projection
+from projections.base import Fold, Join, Projection, View
 
 
 def _modules() -> list[ModuleType]:
+    """Every public module of the package (private ones, like `_fold`, load Spark)."""
     infos = sorted(pkgutil.iter_modules(projections.__path__), key=lambda m: m.name)
-    return [importlib.import_module(f"projections.{info.name}") for info in infos]
+    names = [info.name for info in infos if not info.name.startswith("_")]
+    return [importlib.import_module(f"projections.{name}") for name in names]
 
 
 def _discover() -> dict[str, Projection]:
@@ -45,19 +48,23 @@ PROJECTIONS: dict[str, Projection] = _discover()
 
 JOINS: dict[str, Join] = _joins()
 
-# Every view the API serves. A joined view appears as a projection named after it that reads no
-# events (see `ReadModel.includes` for what `consistent_with` means for it).
-VIEWS: dict[str, tuple[Projection, Output]] = {
-    **{o.name: (p, o) for p in PROJECTIONS.values() for o in p.outputs},
-    **{j.name: (j.projection, j.output) for j in JOINS.values()},
-}
+# Everything the read side folds, each with its own progress row.
+FOLDS: dict[str, Fold] = {**PROJECTIONS, **JOINS}
+
+# Every view the API serves, with the fold that writes it.
+VIEWS: dict[str, tuple[Fold, View]] = {v.name: (f, v) for f in FOLDS.values() for v in f.views}
+
+
+def writers(fold: Fold) -> list[Fold]:
+    """The folds that write the tables `fold` reads through their changelogs."""
+    return [f for f in FOLDS.values() if any(v.name in fold.inputs for v in f.views)]
 
 
 def _captured() -> dict[str, Table]:
     """Tables whose changes CDC streams into `cdc.<table>`: every view (joined ones too), the
     projections' progress (a rebuild shows there as a new generation), and every plain table
     a module of this package lists in `plain_tables` (written with SQL, outside the event log)."""
-    found = {o.name: o.table for _, o in VIEWS.values()}
+    found = {v.name: v.table for _, v in VIEWS.values()}
     found[progress.table.name] = progress.table
     for module in _modules():
         for table in getattr(module, "plain_tables", ()):
@@ -65,12 +72,12 @@ def _captured() -> dict[str, Table]:
     return dict(sorted(found.items()))
 
 
-def _check_inputs(joins: dict[str, Join], captured: dict[str, Table]) -> None:
-    for join in joins.values():
-        missing = [t for t in join.tables if t not in captured]
+def _check_inputs(folds: dict[str, Fold], captured: dict[str, Table]) -> None:
+    for fold in folds.values():
+        missing = [t for t in fold.inputs if t not in captured]
         if missing:
-            raise ValueError(f"join {join.name} reads {missing}, which CDC does not capture")
+            raise ValueError(f"{fold.name} reads {missing}, which CDC does not capture")
 
 
 CAPTURED: dict[str, Table] = _captured()
-_check_inputs(JOINS, CAPTURED)
+_check_inputs(FOLDS, CAPTURED)

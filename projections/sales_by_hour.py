@@ -11,15 +11,16 @@ payments are kept out of the windows, recorded in `late_events`, and counted in 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from pyspark.sql import Column, DataFrame
-from pyspark.sql import functions as F
 from sqlalchemy import BigInteger, DateTime, Integer, Table, Text
 from sqlalchemy import Column as SqlColumn
 
 from projections import metadata
 from projections.base import Output, Projection
-from projections.fold import paid_lines
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
 
 ALLOWED_LATENESS = timedelta(minutes=10)
 
@@ -46,10 +47,14 @@ late_events = Table(
 
 
 def _watermark() -> Column:
+    from projections._fold import F
+
     return F.col("timestamp") - F.expr(f"INTERVAL {int(ALLOWED_LATENESS.total_seconds())} SECONDS")
 
 
 def transform(events: DataFrame) -> DataFrame:
+    from projections._fold import F, paid_lines
+
     on_time = paid_lines(events).where(F.col("occurred_at") >= _watermark())
     return on_time.groupBy(
         "book_id", F.date_trunc("hour", F.col("occurred_at")).alias("window_start")
@@ -60,6 +65,8 @@ def transform(events: DataFrame) -> DataFrame:
 
 
 def late(events: DataFrame) -> DataFrame:
+    from projections._fold import F
+
     paid = events.where((F.col("type") == "OrderPaid") & (F.col("occurred_at") < _watermark()))
     return paid.select(
         "event_id",
@@ -78,14 +85,14 @@ projection = Projection(
     outputs=(
         Output(
             table,
-            transform,
+            transform=transform,
             merge={"units": "sum", "revenue_cents": "sum"},
             filterable=("book_id",),
             version_column=None,
         ),
         Output(
             late_events,
-            late,
+            transform=late,
             merge={},
             filterable=("projection",),
             version_column=None,

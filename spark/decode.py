@@ -1,4 +1,8 @@
-"""Kafka records → events, decoded and upcast by the same Python code the write side uses."""
+"""Kafka records → events.
+
+Events at their type's current schema version (nearly all of them) are decoded by Spark's own
+JSON reader; only older ones go through the write side's Python upcasters (a pandas UDF), so a
+batch of current events never leaves the JVM."""
 
 from __future__ import annotations
 
@@ -11,7 +15,22 @@ from pyspark.sql import functions as F
 from pyspark.sql.functions import pandas_udf  # type: ignore[attr-defined]
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
+from events.catalog import EVENT_TYPES
 from events.serialization import decode
+
+# The stored envelope as Spark reads it: `data` (an object) stays JSON text.
+STORED = StructType(
+    [
+        StructField("event_id", StringType()),
+        StructField("type", StringType()),
+        StructField("schema_version", LongType()),
+        StructField("aggregate_type", StringType()),
+        StructField("aggregate_id", StringType()),
+        StructField("version", LongType()),
+        StructField("occurred_at", StringType()),
+        StructField("data", StringType()),
+    ]
+)
 
 ENVELOPE = StructType(
     [
@@ -56,25 +75,45 @@ def _upcast(values: pd.Series) -> pd.DataFrame:
     )
 
 
+def parse_events(raw: DataFrame) -> DataFrame:
+    """Kafka records → topic, partition, offset, timestamp, value and the envelope `e` as
+    Spark's JSON reader sees it, with `current` telling whether it is at its type's current
+    schema version (a record it cannot read, or of an unknown type, is not)."""
+    current = F.create_map(
+        *(F.lit(x) for t, c in EVENT_TYPES.items() for x in (t, c.SCHEMA_VERSION))
+    )
+    e = F.from_json(F.col("value").cast("string"), STORED)
+    parsed = raw.where(F.col("value").isNotNull()).select(
+        "topic", "partition", "offset", "timestamp", "value", e.alias("e")
+    )
+    is_current = F.coalesce(F.col("e.schema_version") == current[F.col("e.type")], F.lit(False))
+    return parsed.withColumn("current", is_current)
+
+
+def events_of(parsed: DataFrame, upcast: bool = True) -> DataFrame:
+    """Parsed records (`parse_events`) → events: topic, partition, offset, timestamp (of the
+    record), the envelope's fields with `occurred_at` as a timestamp and `data` as JSON text at
+    the current schema version. `upcast=False` leaves out the records that need upcasting (the
+    caller knows there are none)."""
+    native = parsed.where("current").select(
+        "topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE)
+    )
+    events = native
+    if upcast:
+        old = parsed.where(~F.col("current")).select(
+            "topic", "partition", "offset", "timestamp", _upcast(F.col("value")).alias("e")
+        )
+        events = native.unionByName(
+            old.select(
+                "topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE)
+            )
+        )
+    return events.withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
+
+
 def decode_events(raw: DataFrame) -> DataFrame:
-    """Columns: topic, partition, offset, timestamp (of the record), the envelope's fields with
-    `occurred_at` as a timestamp and `data` as JSON text at the current schema version."""
-    e = raw.where(F.col("value").isNotNull()).select(
-        "topic", "partition", "offset", "timestamp", _upcast(F.col("value")).alias("e")
-    )
-    return e.select(
-        "topic",
-        "partition",
-        "offset",
-        "timestamp",
-        "e.event_id",
-        "e.type",
-        "e.aggregate_type",
-        "e.aggregate_id",
-        "e.version",
-        F.col("e.occurred_at").cast("timestamp").alias("occurred_at"),
-        "e.data",
-    )
+    """Kafka records → events (see `events_of`)."""
+    return events_of(parse_events(raw))
 
 
 def kafka_options(bootstrap: str) -> dict[str, str]:
@@ -82,6 +121,9 @@ def kafka_options(bootstrap: str) -> dict[str, str]:
         "kafka.bootstrap.servers": bootstrap,
         "kafka.isolation.level": "read_committed",
         "failOnDataLoss": "false",
+        # A fetch that ends on a transaction marker finds no record and would wait the
+        # consumer's default 500 ms inside every micro-batch.
+        "kafka.fetch.max.wait.ms": "10",
     }
 
 

@@ -1,13 +1,15 @@
-"""Joined views kept current from CDC changelogs: one Structured Streaming query per join, and
-its rebuild.
+"""Joined views kept current from CDC changelogs: one Structured Streaming query for every join,
+and their rebuild.
 
-Live: the query reads the join's two changelogs (`cdc.<table>`, Spark's Kafka source with
-headers, read_committed) from the offsets after its progress. Each micro-batch runs in one
-Postgres transaction: lock the join's progress row, drop records at or below its offsets, keep
-the newest change per key, store the changes that are newer than `join_state`'s (by changelog
-position), re-derive the joined rows of every join value they touch, write only the rows that
-differ (delete the ones that no longer exist), and save the offsets. A batch replayed after a
-crash changes nothing, and neither does a change CDC resends.
+Live: the query reads every changelog a join reads (`cdc.<table>`, Spark's Kafka source with
+headers, read_committed) from the lowest offsets after the joins' progress, with no trigger
+interval. Each micro-batch is read in one Spark job and applied in one Postgres transaction:
+per join, lock its progress row, drop records at or below its offsets, keep the newest change
+per key, store the changes that are newer than `join_state`'s (by changelog position),
+re-derive the joined rows of every join value they touch, write only the rows that differ
+(delete the ones that no longer exist), and save its offsets. A batch replayed after a crash
+changes nothing, and neither does a change CDC resends. Each join keeps its own progress and
+fails alone (in a savepoint), like the projections in `spark/event_pipeline.py`.
 
 Rebuild: holding the progress lock (live batches wait), read both changelogs to their end as a
 Spark batch, fold them with the same building blocks (`projections/changelog.py`) and a Spark
@@ -18,8 +20,11 @@ was read, and bump its generation.
 
 from __future__ import annotations
 
+import json
 import logging
+import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -28,17 +33,20 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
-from projections.base import JOIN_STATE, ROLES, Join
-from projections.changelog import latest, records
-from spark.decode import kafka_options, offsets_json
+from projections.base import JOIN_STATE, ROLES, Join, Offsets
+from spark.changelog import joined_rows, latest, records
+from spark.decode import kafka_options
 from spark.rebuild import SHADOW, Report, differences
 from spark.sink import (
-    Offsets,
+    Reconnecting,
     copy_partition,
     copy_rows,
     ensure_progress,
     last_offsets,
+    lock_many,
     lock_progress,
+    mark_failed,
+    mark_started,
     read_progress,
     replace_contents,
     save_progress,
@@ -49,6 +57,7 @@ from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
+QUERY = "joins"
 MAX_RECORDS_PER_BATCH = 50_000
 CHANGE_COLUMNS = ("side", "key", "row", "lsn", "seq")
 
@@ -118,51 +127,147 @@ def apply_records(
     return {**offsets, **seen}, applied, apply_changes(conn, join, changes)
 
 
-class JoinSink:
-    """`foreachBatch` function of one join's streaming query."""
+def newest_changes(join: Join, recs: list[Any], offsets: Offsets) -> list[dict[str, Any]]:
+    """The records (as `records` returns them) of `join`'s tables after `offsets`, reduced to
+    the newest change of each key by position (as `latest` does in Spark), as changes of the
+    join's sides (as `side_changes` returns them)."""
+    newest: dict[tuple[str, str], Any] = {}
+    for r in recs:
+        done = offsets.get(f"{r['topic']}:{r['partition']}", -1)
+        if r["table"] not in join.tables or r["offset"] <= done:
+            continue
+        seen = newest.get((r["table"], r["key"]))
+        if seen is None or (r["lsn"], r["seq"], r["offset"]) > (
+            seen["lsn"],
+            seen["seq"],
+            seen["offset"],
+        ):
+            newest[(r["table"], r["key"])] = r
+    return [
+        {"side": role, "key": r["key"], "row": r["row"], "lsn": r["lsn"], "seq": r["seq"]}
+        for role in ROLES
+        for (table, _), r in newest.items()
+        if table == join.side(role).table
+    ]
 
-    def __init__(self, join: Join, database_url: str, tables: dict[str, str]) -> None:
-        self.join, self.database_url, self.tables = join, database_url, tables
+
+class JoinSink:
+    """`foreachBatch` function of the join pipeline: every join, each with its own progress."""
+
+    def __init__(self, joins: Sequence[Join], database_url: str, tables: dict[str, str]) -> None:
+        self.joins, self.database_url, self.tables = list(joins), database_url, tables
+        self.failed: set[str] = set()
+        self.db = Reconnecting(database_url)
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        name = self.join.name
-        with psycopg.connect(self.database_url) as conn, conn.transaction():
-            offsets = lock_progress(conn, name)
-            new, applied, written = apply_records(
-                conn, self.join, records(batch, self.tables), offsets
+        recs = records(batch, self.tables).collect()
+        if not recs:
+            return
+        last: Offsets = {}
+        for r in recs:
+            k = f"{r['topic']}:{r['partition']}"
+            last[k] = max(last.get(k, -1), r["offset"])
+        conn = self.db.get()
+        try:
+            with conn.transaction():
+                self._apply(conn, recs, last, batch_id)
+        except psycopg.OperationalError:
+            conn.close()
+            raise
+
+    def _apply(
+        self, conn: psycopg.Connection[Any], recs: list[Any], last: Offsets, batch_id: int
+    ) -> None:
+        active = [j for j in self.joins if j.name not in self.failed]
+        progress = lock_many(conn, [j.name for j in active])
+        for join in active:
+            offsets = progress.get(join.name, {})
+            mine = {k: o for k, o in last.items() if self.tables[_topic(k)] in join.tables}
+            after = {k: o for k, o in mine.items() if o > offsets.get(k, -1)}
+            if not after:
+                continue
+            changes = newest_changes(join, recs, offsets)
+            applied = sum(
+                1
+                for r in recs
+                if r["table"] in join.tables
+                and r["offset"] > offsets.get(f"{r['topic']}:{r['partition']}", -1)
             )
-            if applied:
-                save_progress(conn, name, new, applied, 0)
-        if applied:
+            try:
+                with conn.transaction():
+                    written = apply_changes(conn, join, changes)
+                    save_progress(conn, join.name, {**offsets, **after}, applied, 0)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                raise
+            except psycopg.Error as e:
+                error = f"{type(e).__name__}: {e}"
+                log.error("join %s failed after %s: %s", join.name, offsets, error)
+                mark_failed(conn, join.name, error, offsets)
+                self.failed.add(join.name)
+                continue
             log.info(
-                "%s: batch %s applied %s records, wrote %s rows", name, batch_id, applied, written
+                "%s: batch %s applied %s records, wrote %s rows",
+                join.name,
+                batch_id,
+                applied,
+                written,
             )
 
 
-def stream(spark: SparkSession, settings: Settings, join: Join, checkpoint: str) -> StreamingQuery:
-    """Start the join's streaming query from the offsets after its progress."""
-    url = settings.database()
-    with psycopg.connect(url, autocommit=True) as conn:
-        ensure_progress(conn, join.name)
-        offsets = read_progress(conn, join.name)
-    tables = changelogs(join, Topics(settings.topic_prefix))
-    raw = (
-        spark.readStream.format("kafka")
-        .options(**kafka_options(settings.kafka()))
-        .option("subscribe", ",".join(tables))
-        .option("includeHeaders", "true")
-        .option("startingOffsets", offsets_json(tables, 1, offsets, 1))
-        .option("maxOffsetsPerTrigger", MAX_RECORDS_PER_BATCH)
-        .load()
-    )
-    return (
-        raw.writeStream.foreachBatch(JoinSink(join, url, tables))
-        .queryName(join.name)
-        # Where to resume is Postgres's progress, not Spark's checkpoint.
-        .option("checkpointLocation", checkpoint)
-        .trigger(processingTime=f"{settings.projector_trigger_s} seconds")
-        .start()
-    )
+def _topic(partition_key: str) -> str:
+    return partition_key.rsplit(":", 1)[0]
+
+
+class JoinPipeline:
+    """Runs the live pipeline of every join (see the module's docstring)."""
+
+    def __init__(
+        self, spark: SparkSession, settings: Settings, joins: Sequence[Join], scratch: str
+    ) -> None:
+        self.spark, self.settings, self.scratch = spark, settings, scratch
+        self.joins = list(joins)
+        topics = Topics(settings.topic_prefix)
+        self.tables = {topics.cdc(t): t for j in self.joins for t in j.tables}
+        self.sink: JoinSink | None = None
+
+    def starting_offsets(self) -> str:
+        """After the lowest progress of the joins that read each changelog."""
+        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+            progress = {j.name: read_progress(conn, j.name) for j in self.joins}
+        doc = {}
+        for topic, table in self.tables.items():
+            done = [progress[j.name].get(f"{topic}:0", -1) for j in self.joins if table in j.tables]
+            low = min(done, default=-1)
+            doc[topic] = {"0": low + 1 if low >= 0 else -2}
+        return json.dumps(doc)
+
+    def start(self) -> StreamingQuery:
+        """Start the query from the joins' progress (a restart resumes the same way)."""
+        url = self.settings.database()
+        names = [j.name for j in self.joins]
+        with psycopg.connect(url, autocommit=True) as conn:
+            for name in names:
+                ensure_progress(conn, name)
+            mark_started(conn, names)
+        raw = (
+            self.spark.readStream.format("kafka")
+            .options(**kafka_options(self.settings.kafka()))
+            .option("subscribe", ",".join(self.tables))
+            .option("includeHeaders", "true")
+            .option("startingOffsets", self.starting_offsets())
+            .option("maxOffsetsPerTrigger", MAX_RECORDS_PER_BATCH)
+            .load()
+        )
+        if self.sink is not None:
+            self.sink.db.close()
+        self.sink = JoinSink(self.joins, url, self.tables)
+        return (
+            raw.writeStream.foreachBatch(self.sink)
+            .queryName(QUERY)
+            # A fresh checkpoint per start, or Spark would resume from its own offsets.
+            .option("checkpointLocation", tempfile.mkdtemp(dir=self.scratch))
+            .start()
+        )
 
 
 class JoinRebuild:
@@ -230,7 +335,7 @@ class JoinRebuild:
         """COPY the state folded from `recs` and the joined rows into the shadow tables."""
         changes = side_changes(join, latest(recs))
         changes.foreachPartition(copy_partition(self.url, state, CHANGE_COLUMNS))
-        rows = join.output.transform(recs)
+        rows = joined_rows(join, recs)
         rows.foreachPartition(copy_partition(self.url, view, join.columns))
 
     def _replace_state(self, conn: psycopg.Connection[Any], join: Join, shadow: str) -> None:

@@ -1,10 +1,11 @@
-"""The streaming projector: one Structured Streaming query per projection, reading its event
-topics with Spark's Kafka source (read_committed) and folding each micro-batch into Postgres,
-and one per join, reading its tables' changelogs (see spark/join.py).
+"""The streaming projector: two Structured Streaming queries in one Spark driver.
 
-Postgres holds each projection's progress, so a query always starts from the offsets after the
-last applied ones; Spark's own checkpoint is scratch space. A query that fails is restarted
-alone; the others keep running.
+- `events` (spark/event_pipeline.py) folds the event log into every projection's views;
+- `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views.
+
+Each fold keeps its own progress in Postgres, so a query always starts from the offsets after
+the last applied ones; Spark's own checkpoint is scratch space. A query that stops is started
+again (after a pause that grows while it keeps failing); the other keeps running.
 
     spark-submit --master spark://host:7077 --jars <kafka jars> spark/projector.py
 """
@@ -12,82 +13,99 @@ alone; the others keep running.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import tempfile
 import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
 
-import psycopg
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
 from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
-from spark import join as joins
-from spark.decode import decode_events, kafka_options, offsets_json
+from spark.event_pipeline import EventPipeline
+from spark.join import JoinPipeline
 from spark.session import session
-from spark.sink import LiveSink, ensure_progress, read_progress
 from stack.settings import Settings
-from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
+MAX_PAUSE_S = 30.0
+
+
+class Pipeline(Protocol):
+    def start(self) -> StreamingQuery: ...
+
+
+def scratch_dir(settings: Settings) -> str:
+    """Where the queries' checkpoints go: memory (/dev/shm) when the machine has it, since
+    Spark writes two small files per micro-batch and nothing there needs to survive."""
+    base = settings.spark_scratch_dir
+    if base is None and os.access("/dev/shm", os.W_OK):
+        base = "/dev/shm"
+    return tempfile.mkdtemp(prefix="logfold-projector-", dir=base)
+
 
 class Projector:
-    def __init__(self, settings: Settings, spark: SparkSession | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        spark: SparkSession | None = None,
+        projections: Sequence[Projection] | None = None,
+        joins: Sequence[Join] | None = None,
+    ) -> None:
         self.settings = settings
-        self.topics = Topics(settings.topic_prefix)
         self.spark = spark or session(settings, "logfold-projector")
+        self.scratch = scratch_dir(settings)
+        chosen = list(PROJECTIONS.values()) if projections is None else list(projections)
+        joined = list(JOINS.values()) if joins is None else list(joins)
+        self.pipelines: dict[str, Pipeline] = {}
+        if chosen:
+            self.pipelines["events"] = EventPipeline(self.spark, settings, chosen, self.scratch)
+        if joined:
+            self.pipelines["joins"] = JoinPipeline(self.spark, settings, joined, self.scratch)
         self.queries: dict[str, StreamingQuery] = {}
-        self._scratch = tempfile.mkdtemp(prefix="logfold-projector-")
         self._stopping = threading.Event()
 
-    def topic_names(self, projection: Projection) -> list[str]:
-        return [self.topics.events(t) for t in projection.topics]
-
-    def start(self, projection: Projection | Join) -> StreamingQuery:
-        if isinstance(projection, Join):
-            query = joins.stream(
-                self.spark, self.settings, projection, tempfile.mkdtemp(dir=self._scratch)
-            )
-            self.queries[projection.name] = query
-            return query
-        url = self.settings.database()
-        with psycopg.connect(url, autocommit=True) as conn:
-            ensure_progress(conn, projection.name)
-            offsets = read_progress(conn, projection.name)
-        topics = self.topic_names(projection)
-        raw = (
-            self.spark.readStream.format("kafka")
-            .options(**kafka_options(self.settings.kafka()))
-            .option("subscribe", ",".join(topics))
-            .option("startingOffsets", offsets_json(topics, self.settings.partitions, offsets, 1))
-            .option("maxOffsetsPerTrigger", 200_000)
-            .load()
-        )
-        query = (
-            decode_events(raw)
-            .writeStream.foreachBatch(LiveSink(projection, url))
-            .queryName(projection.name)
-            # A fresh checkpoint per start: where to resume is Postgres's progress, not Spark's.
-            .option("checkpointLocation", tempfile.mkdtemp(dir=self._scratch))
-            .trigger(processingTime=f"{self.settings.projector_trigger_s} seconds")
-            .start()
-        )
-        self.queries[projection.name] = query
+    def start(self, name: str) -> StreamingQuery:
+        # Each query's jobs run in a scheduler pool of its own, so neither waits behind the other.
+        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", name)
+        query = self.pipelines[name].start()
+        self.queries[name] = query
         return query
 
     def run(self) -> None:
-        """Run every projection and join until stop(); restart any query that fails."""
-        views: list[Projection | Join] = [*PROJECTIONS.values(), *JOINS.values()]
-        for view in views:
-            self.start(view)
+        """Run every pipeline until stop(); start again any query that stops."""
+        for name in self.pipelines:
+            self.start(name)
         log.info("projector running: %s", ", ".join(self.queries))
-        while not self._stopping.wait(1.0):
-            for name, query in list(self.queries.items()):
-                if not query.isActive:
-                    log.error("projection %s stopped (%s); restarting", name, query.exception())
-                    self.start(PROJECTIONS.get(name) or JOINS[name])
-        for query in self.queries.values():
-            query.stop()
+        failures: dict[str, int] = {}
+        restart_at: dict[str, float] = {}
+        try:
+            while not self._stopping.wait(0.5):
+                for name, query in list(self.queries.items()):
+                    if query.isActive:
+                        continue
+                    if name not in restart_at:
+                        failures[name] = failures.get(name, 0) + 1
+                        pause = min(2.0 ** (failures[name] - 1), MAX_PAUSE_S)
+                        log.error(
+                            "query %s stopped (%s); restarting in %.0fs",
+                            name,
+                            query.exception(),
+                            pause,
+                        )
+                        restart_at[name] = time.monotonic() + pause
+                    elif time.monotonic() >= restart_at[name]:
+                        del restart_at[name]
+                        self.start(name)
+        finally:
+            for query in self.queries.values():
+                query.stop()
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def stop(self) -> None:
         self._stopping.set()

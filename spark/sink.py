@@ -1,8 +1,8 @@
-"""Applying events to a projection's tables in Postgres, exactly once.
+"""Applying a projection's rows to Postgres, exactly once.
 
-Each batch runs in one Postgres transaction: lock the projection's progress row, drop the
-events at or below its offsets (already applied: a replayed or duplicated batch changes
-nothing), merge the transform's rows, and advance the offsets. The rebuild's final swap takes
+Each batch runs in one Postgres transaction: lock the projections' progress rows, drop the
+events at or below each one's offsets (already applied: a replayed or duplicated batch changes
+nothing), merge the transforms' rows, and advance the offsets. The rebuild's final swap takes
 the same lock, so a live batch never interleaves with it."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import TimestampType
 
-from projections.base import Output, Projection
+from projections.base import Offsets, Output, Projection
 
 log = logging.getLogger(__name__)
 
-Offsets = dict[str, int]  # "topic:partition" -> last applied offset
+MAX_ERROR_CHARS = 4000
 
 
 def ensure_progress(conn: psycopg.Connection[Any], projection: str) -> None:
@@ -38,6 +38,36 @@ def lock_progress(conn: psycopg.Connection[Any], projection: str) -> Offsets:
     ).fetchone()
     assert row is not None
     return {k: int(v) for k, v in row[0].items()}
+
+
+def lock_many(conn: psycopg.Connection[Any], names: list[str]) -> dict[str, Offsets]:
+    """Lock the progress rows of `names` (which exist), in name order, and return their
+    offsets."""
+    rows = conn.execute(
+        "SELECT projection, offsets FROM projection_progress WHERE projection = ANY(%s) "
+        "ORDER BY projection FOR UPDATE",
+        (sorted(names),),
+    ).fetchall()
+    return {r[0]: {k: int(v) for k, v in r[1].items()} for r in rows}
+
+
+def mark_started(conn: psycopg.Connection[Any], names: list[str]) -> None:
+    """`names` are being folded again: forget their last failure."""
+    conn.execute(
+        "UPDATE projection_progress SET started_at = now(), error = NULL, error_offsets = NULL, "
+        "failed_at = NULL WHERE projection = ANY(%s)",
+        (names,),
+    )
+
+
+def mark_failed(conn: psycopg.Connection[Any], name: str, error: str, offsets: Offsets) -> None:
+    """Record that `name` could not apply the records after `offsets` (it keeps them)."""
+    first = {k: v + 1 for k, v in offsets.items()}
+    conn.execute(
+        "UPDATE projection_progress SET error = %s, error_offsets = %s, failed_at = now() "
+        "WHERE projection = %s",
+        (error[:MAX_ERROR_CHARS], json.dumps(first), name),
+    )
 
 
 def read_progress(conn: psycopg.Connection[Any], projection: str) -> Offsets:
@@ -89,19 +119,23 @@ def copy_rows(
     return n
 
 
+def merge_json(conn: psycopg.Connection[Any], output: Output, rows: list[str], target: str) -> int:
+    """Merge rows given as JSON objects (one per row, by column name) into `target` (the
+    output's table or its shadow) by the output's rules; Postgres converts the values."""
+    if not rows:
+        return 0
+    source = f"jsonb_populate_recordset(NULL::{output.name}, %s::jsonb)"
+    conn.execute(output.upsert_sql(target, source), ("[" + ",".join(rows) + "]",))
+    return len(rows)
+
+
 def merge_output(
     conn: psycopg.Connection[Any], output: Output, events: DataFrame, target: str
 ) -> int:
     """Transform `events` and merge the rows into `target` (the output's table or its shadow)."""
-    rows = wire_rows(output.transform(events).select(*output.columns)).collect()
-    if not rows:
-        return 0
-    staging = f"staging_{output.name}"
-    conn.execute(f"CREATE TEMP TABLE {staging} (LIKE {output.name}) ON COMMIT DROP")
-    copy_rows(conn, staging, output.columns, rows)
-    conn.execute(output.upsert_sql(target, staging))
-    conn.execute(f"DROP TABLE {staging}")
-    return len(rows)
+    rows = wire_rows(output.transform(events).select(*output.columns))
+    found = rows.select(F.to_json(F.struct(*output.columns)).alias("row")).collect()
+    return merge_json(conn, output, [r["row"] for r in found], target)
 
 
 def apply_events(
@@ -163,6 +197,23 @@ def save_progress(
         "late_events = late_events + %s, updated_at = now() WHERE projection = %s",
         (json.dumps(offsets), applied, late, projection),
     )
+
+
+class Reconnecting:
+    """One Postgres connection kept across micro-batches, opened again once it breaks."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def get(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = psycopg.connect(self.url)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
 
 
 class LiveSink:

@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     spark_master: str = "local[*]"
     spark_shuffle_partitions: int = 2
     spark_driver_memory: str = "1g"
-    projector_trigger_s: float = Field(default=0.5, gt=0)
+    spark_scratch_dir: str | None = None  # the projector's checkpoints; default /dev/shm
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
 

@@ -190,16 +190,15 @@ def spark(deployment: Settings) -> Iterator[Any]:
 
 
 class Jobs:
-    """The join queries of the deployment, in this process (as the projector runs them)."""
+    """The join pipeline of the deployment, in this process (as the projector runs it)."""
 
     def __init__(self, settings: Settings, spark: Any) -> None:
         from spark.projector import Projector
 
-        self.projector = Projector(settings, spark)
+        self.projector = Projector(settings, spark, projections=(), joins=tuple(JOINS.values()))
 
     def start(self) -> None:
-        for join in JOINS.values():
-            self.projector.start(join)
+        self.projector.start("joins")
 
     def stop(self) -> None:
         for query in self.projector.queries.values():

@@ -20,9 +20,9 @@ def test_the_registry_serves_joined_views_and_captures_their_tables() -> None:
     assert set(JOINS) == {"order_summaries", "author_pages"}
     assert not set(JOINS) & set(PROJECTIONS)
     for name, join in JOINS.items():
-        projection, output = VIEWS[name]
-        assert projection.name == name and projection.topics == ()
-        assert (output.name, output.key, output.filterable) == (name, join.key, join.filterable)
+        fold, view = VIEWS[name]
+        assert fold is join and join.inputs == join.tables
+        assert (view.name, view.key, view.filterable) == (name, join.key, join.filterable)
     assert VIEWS["order_summaries"][1].filterable == ("customer_id", "status")
     assert {"order_summaries", "author_pages", "author_profiles"} <= set(CAPTURED)
     assert "join_state" not in CAPTURED

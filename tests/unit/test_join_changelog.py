@@ -18,8 +18,8 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from projections.changelog import latest, records
 from projections.registry import JOINS
+from spark.changelog import joined_rows, latest, records
 
 pytestmark = pytest.mark.spark
 
@@ -122,7 +122,7 @@ def test_joined_rows_are_the_inner_join_of_the_newest_rows(spark: SparkSession) 
         ("orders", "o2", None, "7.1"),
         ("orders", "o6", order("o6", "c1", total=7), "8.1"),
     )
-    rows = SUMMARIES.output.transform(records(changes, TABLES))
+    rows = joined_rows(SUMMARIES, records(changes, TABLES))
     assert rows.columns == list(SUMMARIES.columns)
     got = sorted(tuple(r) for r in rows.collect())
     at = "2026-11-21T10:15:00.5Z"
