@@ -1,25 +1,42 @@
-"""Spark building blocks shared by the projections' transforms.
+"""Spark building blocks of the projections' rows.
 
-Only Spark jobs import this module: a transform imports what it needs inside its body
-(`from projections._fold import F, field, …`), so its projection's declaration loads without
+Only Spark jobs import this module: a projection's `rows()` imports what it needs inside its
+body (`from projections._fold import F, field, one, …`), so its declaration loads without
 Spark."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+from sqlalchemy import Column as SqlColumn
+from sqlalchemy import Table
+from sqlalchemy.sql import sqltypes
+
+if TYPE_CHECKING:
+    from projections.base import Output
 
 __all__ = [
     "PAID_LINE",
     "F",
     "each_paid_line",
     "field",
-    "latest",
+    "fold",
     "one",
-    "paid_lines",
+    "row",
     "royalty_cents",
     "when_type",
 ]
@@ -45,46 +62,85 @@ def when_type(types: str | tuple[str, ...], value: Column) -> Column:
     return F.when(F.col("type").isin(*names), value)
 
 
-def latest(rows: DataFrame, key: list[str], version: str = "version") -> DataFrame:
-    """One row per key: each column from the newest row (by `version`) where it is not null."""
-    values = [c for c in rows.columns if c not in key and c != version]
-    return rows.groupBy(*key).agg(
-        *(F.max_by(c, F.when(F.col(c).isNotNull(), F.col(version))).alias(c) for c in values),
-        F.max(version).alias(version),
-    )
-
-
-def paid_lines(events: DataFrame) -> DataFrame:
-    """One row per line of every OrderPaid: order_id, occurred_at and the line's fields."""
-    paid = events.where(F.col("type") == "OrderPaid").select(
-        F.col("aggregate_id").alias("order_id"),
-        F.col("occurred_at"),
-        F.col("timestamp"),
-        F.explode(F.from_json(field("lines"), ArrayType(PAID_LINE))).alias("line"),
-    )
-    return paid.select("order_id", "occurred_at", "timestamp", "line.*")
-
-
 def royalty_cents(quantity: Column, unit_price_cents: Column, rate: Column) -> Column:
     """Per line, rounded half up to a cent (see projections.author_royalties.royalty_cents)."""
     exact = (quantity * unit_price_cents).cast("decimal(20,0)") * rate.cast("decimal(12,10)")
     return F.round(exact, 0).cast("long")
 
 
-# -- contributions: the rows one event adds to an output (the next design; see WIP-issue-8.md)
+# -- an event's rows: an array of structs of the table's columns (see Output.rows) ----------
 
 
-def one(condition: Column, **columns: Column) -> Column:
-    """An event's contribution: one row of these columns when `condition` holds, else none
-    (an array of at most one struct, so outputs can be exploded in one pass)."""
-    row = F.struct(*(c.alias(n) for n, c in columns.items()))
-    return F.filter(F.array(row), lambda _: condition)
+def spark_type(column: SqlColumn[Any]) -> DataType:
+    kind = column.type
+    if isinstance(kind, sqltypes.BigInteger):
+        return LongType()
+    if isinstance(kind, sqltypes.Integer):
+        return IntegerType()
+    if isinstance(kind, sqltypes.Float):
+        return DoubleType()
+    if isinstance(kind, sqltypes.DateTime):
+        return TimestampType()
+    if isinstance(kind, sqltypes.String):
+        return StringType()
+    raise TypeError(f"no Spark type for {column.table.name}.{column.name} ({kind})")
 
 
-def each_paid_line(make: Callable[[Column], dict[str, Column]]) -> Column:
-    """An event's contribution: for an OrderPaid, one row per paid line (`make(line)` gives
-    its columns); none for any other event."""
+def row(table: Table, **columns: Column) -> Column:
+    """A row of `table`: the given columns, cast to the table's types; the others null."""
+    unknown = set(columns) - set(table.columns.keys())
+    if unknown:
+        raise ValueError(f"{table.name} has no column {', '.join(sorted(unknown))}")
+    return F.struct(
+        *(
+            (columns[c.name] if c.name in columns else F.lit(None))
+            .cast(spark_type(c))
+            .alias(c.name)
+            for c in table.columns
+        )
+    )
+
+
+def one(table: Table, condition: Column, **columns: Column) -> Column:
+    """One row of `table` when `condition` holds, else none."""
+    return F.when(condition, F.array(row(table, **columns))).otherwise(
+        F.array().cast(ArrayType(row_type(table)))
+    )
+
+
+def each_paid_line(table: Table, make: Callable[[Column], dict[str, Column]]) -> Column:
+    """For an OrderPaid, one row of `table` per paid line (`make(line)` gives its columns,
+    from the line's fields: `PAID_LINE`); none for any other event."""
     lines = F.when(
         F.col("type") == "OrderPaid", F.from_json(field("lines"), ArrayType(PAID_LINE))
     ).otherwise(F.array().cast(ArrayType(PAID_LINE)))
-    return F.transform(lines, lambda line: F.struct(*(c.alias(n) for n, c in make(line).items())))
+    return F.transform(lines, lambda line: row(table, **make(line)))
+
+
+def row_type(table: Table) -> StructType:
+    return StructType([StructField(str(c.name), spark_type(c)) for c in table.columns])
+
+
+# -- combining rows (the rebuild and the tests; the live pipeline combines in Postgres) -------
+
+
+def fold(output: Output, events: DataFrame) -> DataFrame:
+    """One row per key: every event's rows combined by the output's merge rules."""
+    rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
+    vc = output.version_column
+    aggs = []
+    for column in output.table.columns:
+        c = str(column.name)
+        rule = output.rule(c)
+        if rule == "key":
+            continue
+        if rule == "version":
+            aggs.append(F.max(c).alias(c))
+        elif rule == "sum":
+            aggs.append(F.coalesce(F.sum(c), F.lit(0)).cast(spark_type(column)).alias(c))
+        elif rule == "latest":
+            aggs.append(F.max_by(c, F.when(F.col(c).isNotNull(), F.col(str(vc)))).alias(c))
+        else:
+            aggs.append(F.first(c).alias(c))
+    combined = rows.groupBy(*output.key).agg(*aggs) if aggs else rows.select(*output.key).distinct()
+    return combined.select(*output.columns)

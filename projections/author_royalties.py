@@ -11,7 +11,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column as SparkColumn
 
 table = Table(
     "author_royalties",
@@ -28,28 +28,24 @@ def royalty_cents(quantity: int, unit_price_cents: int, rate: float) -> int:
     return int(exact.quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
-def transform(events: DataFrame) -> DataFrame:
-    from projections._fold import F, paid_lines
+def rows() -> SparkColumn:
+    """A payment adds, per line, the line's royalty and units to its author."""
+    from projections._fold import each_paid_line
     from projections._fold import royalty_cents as royalty_column
 
-    lines = paid_lines(events)
-    return lines.groupBy("author").agg(
-        F.sum(royalty_column(F.col("quantity"), F.col("unit_price_cents"), F.col("royalty_rate")))
-        .cast("long")
-        .alias("royalty_cents"),
-        F.sum("quantity").cast("long").alias("units_sold"),
+    return each_paid_line(
+        table,
+        lambda line: {
+            "author": line["author"],
+            "royalty_cents": royalty_column(
+                line["quantity"], line["unit_price_cents"], line["royalty_rate"]
+            ),
+            "units_sold": line["quantity"],
+        },
     )
 
 
-projection = Projection(
-    "author_royalties",
-    topics=("order",),
-    outputs=(
-        Output(
-            table,
-            transform=transform,
-            merge={"royalty_cents": "sum", "units_sold": "sum"},
-            version_column=None,
-        ),
-    ),
+output = Output(
+    table, rows=rows, merge={"royalty_cents": "sum", "units_sold": "sum"}, version_column=None
 )
+projection = Projection("author_royalties", topics=("order",), outputs=(output,))

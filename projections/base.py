@@ -5,19 +5,19 @@ Both are `Fold`s: each reads some partitions of the log, keeps its own progress 
 applied offset of each partition, in `projection_progress`, written in the same transaction as
 its rows) and writes views. The Spark side (`spark/`) runs every fold of a kind in one pipeline.
 
-A `Projection` reads event topics and writes one or more tables (`Output`s). Each output has a
-pure Spark `transform(events) -> rows` (the events' columns: `spark/decode.py`) and a merge rule
-per column:
+A `Projection` reads event topics and writes one or more tables (`Output`s). Each output says
+what rows one event adds to it (a Spark column over the event: `spark/decode.py` has the
+event's columns) and how rows with the same key combine, per column:
 
 - `latest`: the value of the newest event (by aggregate `version`) that set it; a row from an
   older version never overwrites a newer one;
 - `sum`: added to what the table holds;
 - key columns identify the row.
 
-The same transform serves the live pipeline (applied to each micro-batch, then merged with
-these rules) and the rebuild (applied to the whole log, then bulk-loaded), so both produce the
-same rows. Transforms import pyspark inside their body: the API, CDC and migrations import the
-declarations and never load Spark.
+The live pipeline computes each event's rows once as it reads the log and combines a batch's
+rows with the table in Postgres; a rebuild combines the whole log's rows in Spark. Both apply
+these rules, so both produce the same table. Row expressions import pyspark inside their body:
+the API, CDC and migrations import the declarations and never load Spark.
 
 A `Join` declares a view that is the inner join of two captured tables, folded from their CDC
 changelogs rather than from events (see `spark/join.py`).
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 Merge = Literal["latest", "sum"]
 Offsets = dict[str, int]  # "topic:partition" -> last applied offset
+_POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,70 @@ class View:
 
 @dataclass(frozen=True, kw_only=True)
 class Output(View):
-    """A view a projection writes, with the Spark transform that makes its rows from events."""
+    """A view a projection writes: the rows each event adds to it, and how rows combine.
 
-    transform: Callable[[Any], Any]  # pyspark DataFrame -> DataFrame (see spark/decode.py)
+    `rows()` is a Spark column over one event (the columns of `spark/decode.py`): the array of
+    rows this event adds, each a struct of the table's columns (`projections/_fold.py` builds
+    them: `one`, `each_paid_line`). Rows with the same key combine by `merge`: `latest` takes
+    the value of the newest row (by `version_column`) that sets it, `sum` adds; any other
+    column keeps the first row's value. The live pipeline combines a batch's rows in Postgres
+    (`combine_sql`, then `upsert_sql` into the table); a rebuild combines the whole log's in
+    Spark (`transform`). Both follow these rules, so both give the same table."""
+
+    rows: Callable[[], Any]  # () -> pyspark Column: array<struct<columns>> of one event
     merge: dict[str, Merge]
     version_column: str | None = "version"
     late: bool = False  # its rows are late events, counted in the projection's progress
 
+    def __post_init__(self) -> None:
+        problems = [f"{c} is not a column" for c in self.merge if c not in self.columns]
+        if self.version_column is None and "latest" in self.merge.values():
+            problems.append("`latest` columns need a version column")
+        elif self.version_column is not None and self.version_column not in self.columns:
+            problems.append(f"no version column {self.version_column}")
+        if problems:
+            raise ValueError(f"output {self.name}: " + "; ".join(problems))
+
+    def rule(self, column: str) -> str:
+        """How `column` combines: key, version, latest, sum or first."""
+        if column in self.key:
+            return "key"
+        if column == self.version_column:
+            return "version"
+        return self.merge.get(column, "first")
+
+    def transform(self, events: Any) -> Any:
+        """The table's rows from `events` (a Spark DataFrame): every event's rows, combined."""
+        from projections._fold import fold
+
+        return fold(self, events)
+
+    def combine_sql(self, source: str) -> str:
+        """SELECT of one row per key from `source`, a set of rows of this table with an
+        `ordinality` column (their order in the batch), combined by the merge rules."""
+        vc = self.version_column
+        cols = []
+        for column in self.table.columns:
+            c, rule = str(column.name), self.rule(str(column.name))
+            if rule == "key":
+                cols.append(c)
+            elif rule == "version":
+                cols.append(f"max({c}) AS {c}")
+            elif rule == "sum":
+                kind = column.type.compile(dialect=_POSTGRES)
+                cols.append(f"CAST(coalesce(sum({c}), 0) AS {kind}) AS {c}")
+            elif rule == "latest":
+                cols.append(
+                    f"(array_agg({c} ORDER BY {vc} DESC NULLS LAST, ordinality DESC) "
+                    f"FILTER (WHERE {c} IS NOT NULL))[1] AS {c}"
+                )
+            else:
+                cols.append(f"(array_agg({c} ORDER BY ordinality))[1] AS {c}")
+        return f"SELECT {', '.join(cols)} FROM {source} GROUP BY {', '.join(self.key)}"
+
     def upsert_sql(self, target: str, source: str) -> str:
-        """Merge rows from `source` (same columns) into `target` by this output's rules."""
+        """Merge rows from `source` (same columns, one per key) into `target` by this output's
+        rules."""
         cols = ", ".join(self.columns)
         keys = ", ".join(self.key)
         sets = []
@@ -148,7 +204,6 @@ Role = Literal["left", "right"]
 ROLES: tuple[Role, Role] = ("left", "right")
 JOIN_STATE = "join_state"  # projections/join_state.py
 _NAME = re.compile(r"[a-z_][a-z0-9_]*")
-_POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)

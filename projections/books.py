@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column as SparkColumn
 
 table = Table(
     "books",
@@ -23,43 +23,34 @@ table = Table(
 )
 
 
-def transform(events: DataFrame) -> DataFrame:
-    from projections._fold import F, field, latest, paid_lines, when_type
+def rows() -> SparkColumn:
+    """A book event sets the fields it carries; a payment adds the units of each line."""
+    from projections._fold import F, each_paid_line, field, one, when_type
 
-    e = events.where(F.col("aggregate_type") == "book")
-    details = latest(
-        e.select(
-            F.col("aggregate_id").alias("book_id"),
-            when_type("BookAdded", field("title")).alias("title"),
-            when_type("BookAdded", field("author")).alias("author"),
-            when_type(("BookAdded", "BookRepriced"), field("price_cents").cast("long")).alias(
-                "price_cents"
-            ),
-            when_type("BookAdded", field("royalty_rate").cast("double")).alias("royalty_rate"),
-            F.col("version"),
-        ),
-        ["book_id"],
+    details = one(
+        table,
+        F.col("aggregate_type") == "book",
+        book_id=F.col("aggregate_id"),
+        title=when_type("BookAdded", field("title")),
+        author=when_type("BookAdded", field("author")),
+        price_cents=when_type(("BookAdded", "BookRepriced"), field("price_cents")),
+        royalty_rate=when_type("BookAdded", field("royalty_rate")),
+        units_sold=F.lit(0),
+        version=F.col("version"),
     )
-    sold = paid_lines(events).groupBy("book_id").agg(F.sum("quantity").alias("units_sold"))
-    return (
-        details.join(sold, "book_id", "full_outer")
-        .withColumn("units_sold", F.coalesce(F.col("units_sold"), F.lit(0)).cast("long"))
-        .select(*table.columns.keys())
+    sold = each_paid_line(
+        table, lambda line: {"book_id": line["book_id"], "units_sold": line["quantity"]}
     )
+    return F.concat(details, sold)
 
 
-projection = Projection(
-    "books",
-    topics=("book", "order"),
-    outputs=(
-        Output(
-            table,
-            transform=transform,
-            merge={
-                **dict.fromkeys(("title", "author", "price_cents", "royalty_rate"), "latest"),
-                "units_sold": "sum",
-            },
-            filterable=("author", "title"),
-        ),
-    ),
+output = Output(
+    table,
+    rows=rows,
+    merge={
+        **dict.fromkeys(("title", "author", "price_cents", "royalty_rate"), "latest"),
+        "units_sold": "sum",
+    },
+    filterable=("author", "title"),
 )
+projection = Projection("books", topics=("book", "order"), outputs=(output,))

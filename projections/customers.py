@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column as SparkColumn
 
 table = Table(
     "customers",
@@ -21,29 +21,25 @@ table = Table(
 )
 
 
-def transform(events: DataFrame) -> DataFrame:
-    from projections._fold import F, field, latest, when_type
+def rows() -> SparkColumn:
+    """A customer event sets the fields it carries."""
+    from projections._fold import F, field, one, when_type
 
-    e = events.where(F.col("aggregate_type") == "customer")
-    rows = e.select(
-        F.col("aggregate_id").alias("customer_id"),
-        when_type(("CustomerRegistered", "CustomerRenamed"), field("name")).alias("name"),
-        when_type(("CustomerRegistered", "CustomerEmailChanged"), field("email")).alias("email"),
-        when_type("CustomerRegistered", F.col("occurred_at")).alias("registered_at"),
-        F.col("version"),
+    return one(
+        table,
+        F.col("aggregate_type") == "customer",
+        customer_id=F.col("aggregate_id"),
+        name=when_type(("CustomerRegistered", "CustomerRenamed"), field("name")),
+        email=when_type(("CustomerRegistered", "CustomerEmailChanged"), field("email")),
+        registered_at=when_type("CustomerRegistered", F.col("occurred_at")),
+        version=F.col("version"),
     )
-    return latest(rows, ["customer_id"])
 
 
-projection = Projection(
-    "customers",
-    topics=("customer",),
-    outputs=(
-        Output(
-            table,
-            transform=transform,
-            merge=dict.fromkeys(("name", "email", "registered_at"), "latest"),
-            filterable=("name", "email"),
-        ),
-    ),
+output = Output(
+    table,
+    rows=rows,
+    merge=dict.fromkeys(("name", "email", "registered_at"), "latest"),
+    filterable=("name", "email"),
 )
+projection = Projection("customers", topics=("customer",), outputs=(output,))

@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column as SparkColumn
 
 table = Table(
     "orders",
@@ -32,45 +32,41 @@ STATUS = {
 }
 
 
-def transform(events: DataFrame) -> DataFrame:
-    from projections._fold import F, field, latest, when_type
+def rows() -> SparkColumn:
+    """An order event moves its status and sets the fields it carries."""
+    from projections._fold import F, field, one, when_type
 
-    e = events.where(F.col("aggregate_type") == "order")
     status = F.create_map(*(F.lit(x) for kv in STATUS.items() for x in kv))[F.col("type")]
-    rows = e.select(
-        F.col("aggregate_id").alias("order_id"),
-        when_type("OrderPlaced", field("customer_id")).alias("customer_id"),
-        status.alias("status"),
-        when_type("OrderPlaced", field("total_cents").cast("long")).alias("total_cents"),
-        when_type("OrderPlaced", F.json_array_length(field("lines"))).alias("line_count"),
-        when_type("OrderPlaced", F.col("occurred_at")).alias("placed_at"),
-        when_type("OrderPaid", F.col("occurred_at")).alias("paid_at"),
-        when_type("OrderShipped", F.col("occurred_at")).alias("shipped_at"),
-        F.col("version"),
+    return one(
+        table,
+        F.col("aggregate_type") == "order",
+        order_id=F.col("aggregate_id"),
+        customer_id=when_type("OrderPlaced", field("customer_id")),
+        status=status,
+        total_cents=when_type("OrderPlaced", field("total_cents")),
+        line_count=when_type("OrderPlaced", F.json_array_length(field("lines"))),
+        placed_at=when_type("OrderPlaced", F.col("occurred_at")),
+        paid_at=when_type("OrderPaid", F.col("occurred_at")),
+        shipped_at=when_type("OrderShipped", F.col("occurred_at")),
+        version=F.col("version"),
     )
-    return latest(rows, ["order_id"])
 
 
-projection = Projection(
-    "orders",
-    topics=("order",),
-    outputs=(
-        Output(
-            table,
-            transform=transform,
-            merge=dict.fromkeys(
-                (
-                    "customer_id",
-                    "status",
-                    "total_cents",
-                    "line_count",
-                    "placed_at",
-                    "paid_at",
-                    "shipped_at",
-                ),
-                "latest",
-            ),
-            filterable=("customer_id", "status"),
+output = Output(
+    table,
+    rows=rows,
+    merge=dict.fromkeys(
+        (
+            "customer_id",
+            "status",
+            "total_cents",
+            "line_count",
+            "placed_at",
+            "paid_at",
+            "shipped_at",
         ),
+        "latest",
     ),
+    filterable=("customer_id", "status"),
 )
+projection = Projection("orders", topics=("order",), outputs=(output,))

@@ -20,7 +20,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame
+    from pyspark.sql import Column
 
 ALLOWED_LATENESS = timedelta(minutes=10)
 
@@ -52,51 +52,55 @@ def _watermark() -> Column:
     return F.col("timestamp") - F.expr(f"INTERVAL {int(ALLOWED_LATENESS.total_seconds())} SECONDS")
 
 
-def transform(events: DataFrame) -> DataFrame:
-    from projections._fold import F, paid_lines
+def rows() -> Column:
+    """A payment on time adds, per line, its units and revenue to the line's book and hour."""
+    from projections._fold import F, each_paid_line
 
-    on_time = paid_lines(events).where(F.col("occurred_at") >= _watermark())
-    return on_time.groupBy(
-        "book_id", F.date_trunc("hour", F.col("occurred_at")).alias("window_start")
-    ).agg(
-        F.sum("quantity").cast("long").alias("units"),
-        F.sum(F.col("quantity") * F.col("unit_price_cents")).cast("long").alias("revenue_cents"),
-    )
-
-
-def late(events: DataFrame) -> DataFrame:
-    from projections._fold import F
-
-    paid = events.where((F.col("type") == "OrderPaid") & (F.col("occurred_at") < _watermark()))
-    return paid.select(
-        "event_id",
-        F.lit("sales_by_hour").alias("projection"),
-        "topic",
-        F.col("partition").alias("log_partition"),
-        F.col("offset").alias("log_offset"),
-        "occurred_at",
-        _watermark().alias("watermark"),
-    )
-
-
-projection = Projection(
-    "sales_by_hour",
-    topics=("order",),
-    outputs=(
-        Output(
+    on_time = F.col("occurred_at") >= _watermark()
+    return F.filter(
+        each_paid_line(
             table,
-            transform=transform,
-            merge={"units": "sum", "revenue_cents": "sum"},
-            filterable=("book_id",),
-            version_column=None,
+            lambda line: {
+                "book_id": line["book_id"],
+                "window_start": F.date_trunc("hour", F.col("occurred_at")),
+                "units": line["quantity"],
+                "revenue_cents": line["quantity"] * line["unit_price_cents"],
+            },
         ),
-        Output(
-            late_events,
-            transform=late,
-            merge={},
-            filterable=("projection",),
-            version_column=None,
-            late=True,
-        ),
-    ),
+        lambda _: on_time,
+    )
+
+
+def late_rows() -> Column:
+    """A payment that comes too late for its window is set aside, with the watermark."""
+    from projections._fold import F, one
+
+    return one(
+        late_events,
+        (F.col("type") == "OrderPaid") & (F.col("occurred_at") < _watermark()),
+        event_id=F.col("event_id"),
+        projection=F.lit("sales_by_hour"),
+        topic=F.col("topic"),
+        log_partition=F.col("partition"),
+        log_offset=F.col("offset"),
+        occurred_at=F.col("occurred_at"),
+        watermark=_watermark(),
+    )
+
+
+windows = Output(
+    table,
+    rows=rows,
+    merge={"units": "sum", "revenue_cents": "sum"},
+    filterable=("book_id",),
+    version_column=None,
 )
+late = Output(
+    late_events,
+    rows=late_rows,
+    merge={},
+    filterable=("projection",),
+    version_column=None,
+    late=True,
+)
+projection = Projection("sales_by_hour", topics=("order",), outputs=(windows, late))

@@ -90,6 +90,38 @@ def parse_events(raw: DataFrame) -> DataFrame:
     return parsed.withColumn("current", is_current)
 
 
+def every_event(parsed: DataFrame) -> DataFrame:
+    """Parsed records (`parse_events`) → one row per record: the columns of `events_of`, plus
+    `current` and the record's `value`. The envelope fields of a record that is not current
+    are only what Spark's reader made of it: `upcast` gives the real ones."""
+    return parsed.select(
+        "topic",
+        "partition",
+        "offset",
+        "timestamp",
+        "current",
+        "value",
+        *(F.col(f"e.{f.name}").alias(f.name) for f in ENVELOPE),
+    ).withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
+
+
+def upcast(events: DataFrame) -> DataFrame:
+    """The records of `every_event(…)` that are not current, decoded by the Python upcasters
+    (same columns)."""
+    old = events.where(~F.col("current")).select(
+        "topic", "partition", "offset", "timestamp", "current", "value", _upcast("value").alias("e")
+    )
+    return old.select(
+        "topic",
+        "partition",
+        "offset",
+        "timestamp",
+        "current",
+        "value",
+        *(F.col(f"e.{f.name}").alias(f.name) for f in ENVELOPE),
+    ).withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
+
+
 def events_of(parsed: DataFrame, upcast: bool = True) -> DataFrame:
     """Parsed records (`parse_events`) → events: topic, partition, offset, timestamp (of the
     record), the envelope's fields with `occurred_at` as a timestamp and `data` as JSON text at

@@ -1,20 +1,22 @@
 """The live event pipeline: one Structured Streaming query folds the event log into every
 projection's views.
 
-Each micro-batch is read from Kafka once (read_committed), parsed by Spark's JSON reader (the
-Python upcasters run only for events at an older schema version) and cached; then, in one
-Postgres transaction:
+The query's plan is built once: Kafka records are parsed by Spark's JSON reader and each
+event's rows for every output (`Output.rows`) are computed as JSON, all in the JVM, in one scan.
+Each micro-batch is then one Spark job (`collect`), and one Postgres transaction that:
 
-1. lock every projection's progress row;
-2. give each projection the batch's events after its own offsets (none, some or all);
-3. run every projection's transforms in one Spark job (their rows as JSON, tagged by output);
-4. merge each projection's rows and advance its offsets, each in a savepoint.
+1. locks every projection's progress row;
+2. gives each projection the rows of the batch's events after its own offsets;
+3. combines them per key and merges them into its tables by its merge rules, and advances
+   its offsets, each projection in a savepoint.
+
+Events at an older schema version (rare) go through the Python upcasters in a second job.
 
 Each projection keeps its own progress, so it can be behind the others (it catches up as the
-query reads from the lowest offsets), fail alone (guarantee 16: a transform or a row that
-raises marks that projection failed, with the error and the offsets it could not get past, and
-the others go on), or be rebuilt alone. A failed projection is left out until the pipeline
-restarts; then it resumes from its own progress and rejoins.
+query reads from the lowest offsets), fail alone (guarantee 16: rows that raise in Spark or
+that Postgres refuses mark that projection failed, with the error and the offsets it could not
+get past, and the others go on), or be rebuilt alone. A failed projection is left out until the
+pipeline restarts; then it resumes from its own progress and rejoins.
 
 No trigger interval: a batch starts as soon as the previous one ended and records are there.
 Postgres's progress, not Spark's checkpoint, says where the query starts, so the checkpoint is
@@ -29,16 +31,17 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import reduce
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
-from projections.base import Offsets, Projection
-from spark.decode import events_of, kafka_options, parse_events
+from events.catalog import EVENTS_BY_AGGREGATE
+from projections.base import Offsets, Output, Projection
+from spark.decode import every_event, kafka_options, parse_events, upcast
 from spark.sink import (
     Reconnecting,
     ensure_progress,
@@ -48,8 +51,6 @@ from spark.sink import (
     merge_json,
     read_progress,
     save_progress,
-    unapplied,
-    wire_rows,
 )
 from stack.settings import Settings
 from stack.topics import Topics
@@ -58,50 +59,80 @@ log = logging.getLogger(__name__)
 
 QUERY = "events"
 MAX_RECORDS_PER_BATCH = 200_000
+WIRE_TIME = "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"  # timestamps as ISO text in UTC
+POSITION = ("topic", "partition", "offset", "current")  # the first columns of a collected row
 
-Bounds = dict[str, tuple[int, int, int]]  # "topic:partition" -> (first offset, last, records)
 
-
-def rows_of(projection: Projection, events: DataFrame) -> DataFrame:
-    """Every output's rows of `projection` from `events`: (projection, output, row as JSON)."""
-    parts = [
-        wire_rows(o.transform(events).select(*o.columns)).select(
-            F.lit(projection.name).alias("projection"),
-            F.lit(o.name).alias("output"),
-            F.to_json(F.struct(*o.columns)).alias("row"),
-        )
-        for o in projection.outputs
-    ]
-    return reduce(DataFrame.unionAll, parts)
+def rows_json(output: Output) -> Column:
+    """The rows one event adds to `output`, as a JSON array; null when it adds none."""
+    rows = output.rows()
+    return F.when(
+        F.col("current") & (F.size(rows) > 0), F.to_json(rows, {"timestampFormat": WIRE_TIME})
+    )
 
 
 @dataclass
 class Share:
-    """What one projection takes from a batch."""
+    """What one projection takes from a batch: per output, its rows as JSON arrays."""
 
-    projection: Projection
     offsets: Offsets  # its progress before the batch
     after: Offsets  # its progress after it
-    events: DataFrame
-    count: int
+    count: int  # events
+    rows: dict[str, list[str]]
+
+
+EVENT_COLUMNS = (
+    "topic string, partition int, offset long, timestamp timestamp, current boolean, "
+    "value binary, event_id string, type string, aggregate_type string, aggregate_id string, "
+    "version long, occurred_at timestamp, data string"
+)
+
+
+def sample_events() -> list[tuple[Any, ...]]:
+    """One made-up event of every type, as `every_event` gives them (for the warm-up)."""
+    now = datetime.now(UTC).replace(tzinfo=None)
+    line = {"book_id": "b", "quantity": 1, "unit_price_cents": 100, "author": "a"}
+    data = {
+        "lines": [{**line, "royalty_rate": 0.1}],
+        "customer_id": "c",
+        "total_cents": 100,
+        "name": "n",
+        "email": "e",
+        "title": "t",
+        "author": "a",
+        "price_cents": 100,
+        "royalty_rate": 0.1,
+    }
+    kinds = [(a, cls.type_name()) for a, classes in EVENTS_BY_AGGREGATE.items() for cls in classes]
+    return [
+        (f"warm.{a}", 0, i, now, True, None, f"warm-{i}", t, a, "warm", 1, now, json.dumps(data))
+        for i, (a, t) in enumerate(kinds)
+    ]
 
 
 def first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return f"{type(error).__name__}: {text}"
 
 
 class EventSink:
-    """`foreachBatch` function of the event pipeline (see the module's docstring)."""
+    """`foreachBatch` function of the event pipeline (see the module's docstring). A batch is
+    `every_event(parse_events(records))`."""
 
     def __init__(self, projections: Sequence[Projection], settings: Settings) -> None:
         self.projections = list(projections)
-        self.url = settings.database()
         self.topics = Topics(settings.topic_prefix)
-        self.partitions = settings.partitions
-        self.failed: set[str] = set()
+        self.reads = {
+            p.name: frozenset(p.reads(self.topics, settings.partitions)) for p in self.projections
+        }
+        # Built once: a Column is an unresolved expression, valid for every batch.
+        self.columns = {
+            p.name: [rows_json(o).alias(f"{p.name}.{o.name}") for o in p.outputs]
+            for p in self.projections
+        }
+        self.failed: dict[str, str] = {}
         self.timings: dict[str, float] = {}  # of the last batch, by stage
-        self.db = Reconnecting(self.url)
+        self.db = Reconnecting(settings.database())
 
     @property
     def active(self) -> list[Projection]:
@@ -109,48 +140,95 @@ class EventSink:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
-        parsed = parse_events(batch).persist()
+        rows, errors = self._collect(batch, self.active)
+        if not rows:
+            return
+        if any(not r[3] for r in rows):
+            rows = self._upcast(batch, rows)
+        self.timings["spark"] = time.perf_counter() - started
+        self._apply(rows, errors, batch_id)
+
+    def warm(self, spark: SparkSession, rounds: int = 3) -> None:
+        """Run the batch job on made-up events of every type, writing nothing: the first
+        batches of a fresh JVM pay for code generation and JIT compilation, and without
+        this the first command after a start would wait for it."""
+        started = time.perf_counter()
         try:
-            bounds, old = self._bounds(parsed)
-            self.timings["read"] = time.perf_counter() - started
-            if bounds:
-                self._apply(events_of(parsed, upcast=old > 0), bounds, batch_id)
-        finally:
-            parsed.unpersist()
+            sample = spark.createDataFrame(sample_events(), EVENT_COLUMNS)
+            for _ in range(rounds):
+                self._collect(sample, self.active)
+        except Exception as e:  # the real batches will say which projection fails, and how
+            log.warning("warm-up failed: %s", first_line(e))
+        log.info("warmed up in %.1f s", time.perf_counter() - started)
 
-    def _bounds(self, parsed: DataFrame) -> tuple[Bounds, int]:
-        """Per partition, the batch's first and last offset and record count; and how many
-        records need upcasting (one Spark job, which also fills the cache)."""
-        rows = (
-            parsed.groupBy("topic", "partition")
-            .agg(
-                F.min("offset").alias("lo"),
-                F.max("offset").alias("hi"),
-                F.count("*").alias("n"),
-                F.sum(F.when(F.col("current"), 0).otherwise(1)).alias("old"),
-            )
-            .collect()
-        )
-        bounds = {f"{r['topic']}:{r['partition']}": (r["lo"], r["hi"], r["n"]) for r in rows}
-        return bounds, sum(int(r["old"]) for r in rows)
+    def _collect(
+        self, batch: DataFrame, projections: list[Projection]
+    ) -> tuple[list[Any], dict[str, str]]:
+        """The batch's rows: position, then every output's rows (in projection order). If
+        that fails, each projection's on its own, to find the ones that fail: their columns
+        are None and their errors returned."""
+        columns = [c for p in projections for c in self.columns[p.name]]
+        try:
+            return batch.select(*POSITION, *columns).collect(), {}
+        except Exception as e:
+            if len(projections) <= 1:
+                raise
+            log.warning("a projection's rows failed (%s); collecting each alone", first_line(e))
+        parts: list[list[Any]] = []
+        errors: dict[str, str] = {}
+        for p in projections:
+            try:
+                parts.append(batch.select(*POSITION, *self.columns[p.name]).collect())
+            except Exception as e:
+                errors[p.name] = first_line(e)
+                parts.append([])
+        if len(errors) == len(projections):  # not one projection's fault: fail the batch
+            raise RuntimeError(f"every projection failed: {errors}")
+        base = next(part for part in parts if part)
+        rows = []
+        for i, position in enumerate(base):
+            row = list(position[: len(POSITION)])
+            for p, part in zip(projections, parts, strict=True):
+                row += part[i][len(POSITION) :] if part else [None] * len(p.outputs)
+            rows.append(row)
+        return rows, errors
 
-    def _apply(self, events: DataFrame, bounds: Bounds, batch_id: int) -> None:
+    def _upcast(self, batch: DataFrame, rows: list[Any]) -> list[Any]:
+        """Replace the rows of events at an older schema version by those of their upcast form."""
+        columns = [c for p in self.active for c in self.columns[p.name]]
+        fixed = upcast(batch).withColumn("current", F.lit(True)).select(*POSITION, *columns)
+        found = {(r[0], r[1], r[2]): r for r in fixed.collect()}
+        return [found.get((r[0], r[1], r[2]), r) if not r[3] else r for r in rows]
+
+    def _apply(self, rows: list[Any], errors: dict[str, str], batch_id: int) -> None:
+        projections = self.active
+        keys = [f"{r[0]}:{r[1]}" for r in rows]
         conn = self.db.get()
         try:
             with conn.transaction():
-                progress = lock_many(conn, [p.name for p in self.active])
-                shares = [
-                    s
-                    for p in self.active
-                    if (s := self._share(p, events, bounds, progress.get(p.name, {})))
-                ]
-                if not shares:
-                    return
                 t0 = time.perf_counter()
-                rows, failures = self._rows(shares)
-                t1 = time.perf_counter()
-                applied = self._merge(conn, shares, rows, failures)
-                self.timings.update(transform=t1 - t0, write=time.perf_counter() - t1)
+                progress = lock_many(conn, [p.name for p in projections])
+                applied: dict[str, int] = {}
+                column = len(POSITION)
+                for p in projections:
+                    first, column = column, column + len(p.outputs)
+                    offsets = progress.get(p.name, {})
+                    if p.name in errors:
+                        self._fail(conn, p.name, errors[p.name], offsets)
+                        continue
+                    share = self._share(p, rows, keys, first, offsets)
+                    if share is None:
+                        continue
+                    try:
+                        with conn.transaction():
+                            late = self._merge(conn, p, share)
+                            save_progress(conn, p.name, share.after, share.count, late)
+                        applied[p.name] = share.count
+                    except (psycopg.OperationalError, psycopg.InterfaceError):
+                        raise
+                    except psycopg.Error as e:
+                        self._fail(conn, p.name, first_line(e), offsets)
+                self.timings["postgres"] = time.perf_counter() - t0
         except psycopg.OperationalError:
             conn.close()
             raise
@@ -160,91 +238,39 @@ class EventSink:
             log.info("batch %s (%s): %s", batch_id, took, done)
 
     def _share(
-        self, projection: Projection, events: DataFrame, bounds: Bounds, offsets: Offsets
+        self, p: Projection, rows: list[Any], keys: list[str], first: int, offsets: Offsets
     ) -> Share | None:
-        """The events of `projection`'s partitions after its offsets, or None if none."""
-        reads = projection.reads(self.topics, self.partitions)
-        mine = {k: b for k in reads if (b := bounds.get(k))}
-        fresh = {k: b for k, b in mine.items() if b[1] > offsets.get(k, -1)}
-        if not fresh:
+        """The rows of `p`'s outputs (columns from `first`) of the events after its offsets."""
+        reads = self.reads[p.name]
+        found: dict[str, list[str]] = {o.name: [] for o in p.outputs}
+        last: dict[str, int] = {}
+        count = 0
+        for row, key in zip(rows, keys, strict=True):
+            if key not in reads or row[2] <= offsets.get(key, -1):
+                continue
+            count += 1
+            last[key] = max(last.get(key, -1), row[2])
+            for i, o in enumerate(p.outputs):
+                if (value := row[first + i]) is not None:
+                    found[o.name].append(value)
+        if not count:
             return None
-        names = sorted({k.rsplit(":", 1)[0] for k in mine})
-        theirs = events.where(F.col("topic").isin(names))
-        whole = all(b[0] > offsets.get(k, -1) for k, b in fresh.items())
-        count = sum(b[2] for b in fresh.values())
-        if not whole:  # it stopped inside this batch (restarted, or caught up from behind)
-            theirs = unapplied(theirs, offsets)
-            count = theirs.count()
-        after = {**offsets, **{k: b[1] for k, b in fresh.items()}}
-        return Share(projection, offsets, after, theirs, count)
+        return Share(offsets, {**offsets, **last}, count, found)
 
-    def _rows(self, shares: list[Share]) -> tuple[dict[str, list[Any]], dict[str, str]]:
-        """Every share's rows in one Spark job; if that fails, each projection's on its own,
-        to find which ones fail. Returns rows by projection and errors by projection."""
-        try:
-            together = reduce(DataFrame.unionAll, [rows_of(s.projection, s.events) for s in shares])
-            return _by_projection(together.collect()), {}
-        except Exception as e:
-            if len(shares) == 1:
-                raise
-            log.warning("a transform failed (%s); running each projection alone", first_line(e))
-        rows: dict[str, list[Any]] = {}
-        failures: dict[str, str] = {}
-        for share in shares:
-            name = share.projection.name
-            try:
-                rows[name] = rows_of(share.projection, share.events).collect()
-            except Exception as e:
-                failures[name] = first_line(e)
-        if len(failures) == len(shares):  # not one projection's fault: fail the batch
-            raise RuntimeError(f"every projection failed: {failures}")
-        return rows, failures
-
-    def _merge(
-        self,
-        conn: psycopg.Connection[Any],
-        shares: list[Share],
-        rows: dict[str, list[Any]],
-        failures: dict[str, str],
-    ) -> dict[str, int]:
-        """Merge each projection's rows and save its progress, each in a savepoint; a
-        projection whose rows Postgres refuses fails alone."""
-        applied = {}
-        for share in shares:
-            name = share.projection.name
-            if name not in failures:
-                try:
-                    with conn.transaction():
-                        late = self._merge_one(conn, share, rows.get(name, []))
-                        save_progress(conn, name, share.after, share.count, late)
-                    applied[name] = share.count
-                    continue
-                except (psycopg.OperationalError, psycopg.InterfaceError):
-                    raise
-                except psycopg.Error as e:
-                    failures[name] = first_line(e)
-            log.error("projection %s failed after %s: %s", name, share.offsets, failures[name])
-            mark_failed(conn, name, failures[name], share.offsets)
-            self.failed.add(name)
-        if not applied and failures and len(failures) == len(shares) > 1:
-            raise RuntimeError(f"every projection failed: {failures}")
-        return applied
-
-    def _merge_one(self, conn: psycopg.Connection[Any], share: Share, rows: list[Any]) -> int:
+    def _merge(self, conn: psycopg.Connection[Any], p: Projection, share: Share) -> int:
         late = 0
-        for output in share.projection.outputs:
-            mine = [r["row"] for r in rows if r["output"] == output.name]
-            merged = merge_json(conn, output, mine, output.name)
-            if output.late:
-                late += merged
+        for o in p.outputs:
+            arrays = share.rows[o.name]
+            if arrays:
+                merge_json(conn, o, "[" + ",".join(a[1:-1] for a in arrays) + "]", o.name)
+                if o.late:
+                    late += len(arrays)
         return late
 
-
-def _by_projection(rows: list[Any]) -> dict[str, list[Any]]:
-    found: dict[str, list[Any]] = {}
-    for row in rows:
-        found.setdefault(row["projection"], []).append(row)
-    return found
+    def _fail(self, conn: psycopg.Connection[Any], name: str, error: str, offsets: Offsets) -> None:
+        log.error("projection %s failed after %s: %s", name, offsets, error)
+        mark_failed(conn, name, error, offsets)
+        self.failed[name] = error
 
 
 class EventPipeline:
@@ -288,11 +314,15 @@ class EventPipeline:
     def start(self) -> StreamingQuery:
         """Start the query from the projections' progress (a restart resumes the same way)."""
         names = [p.name for p in self.projections]
+        if self.sink is not None:
+            self.sink.db.close()
+        self.sink = EventSink(self.projections, self.settings)
+        self.sink.warm(self.spark)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             for name in names:
                 ensure_progress(conn, name)
             mark_started(conn, names)  # a failed projection is given another chance
-        raw = (
+        records = (
             self.spark.readStream.format("kafka")
             .options(**kafka_options(self.settings.kafka()))
             .option("subscribe", ",".join(self.topic_names()))
@@ -300,11 +330,9 @@ class EventPipeline:
             .option("maxOffsetsPerTrigger", MAX_RECORDS_PER_BATCH)
             .load()
         )
-        if self.sink is not None:
-            self.sink.db.close()
-        self.sink = EventSink(self.projections, self.settings)
         query = (
-            raw.writeStream.foreachBatch(self.sink)
+            every_event(parse_events(records))
+            .writeStream.foreachBatch(self.sink)
             .queryName(QUERY)
             # A fresh checkpoint per start, or Spark would resume from its own offsets.
             .option("checkpointLocation", tempfile.mkdtemp(dir=self.scratch))

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 from pyspark.sql import SparkSession
@@ -40,13 +41,32 @@ class Pipeline(Protocol):
     def start(self) -> StreamingQuery: ...
 
 
+SCRATCH_PREFIX = "logfold-projector-"
+
+
 def scratch_dir(settings: Settings) -> str:
     """Where the queries' checkpoints go: memory (/dev/shm) when the machine has it, since
-    Spark writes two small files per micro-batch and nothing there needs to survive."""
+    Spark writes two small files per micro-batch and nothing there needs to survive. The
+    scratch of projectors that died without cleaning up (kill -9) is removed first."""
     base = settings.spark_scratch_dir
     if base is None and os.access("/dev/shm", os.W_OK):
         base = "/dev/shm"
-    return tempfile.mkdtemp(prefix="logfold-projector-", dir=base)
+    base = base or tempfile.gettempdir()
+    for old in Path(base).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = old.name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=base)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 class Projector:

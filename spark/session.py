@@ -38,6 +38,13 @@ def session(settings: Settings, app_name: str) -> SparkSession:
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
         .config("spark.scheduler.mode", "FAIR")
+        # Local files without .crc checksum files: a streaming checkpoint writes two small
+        # files per micro-batch, and checksumming them costs ~30 ms a batch. Logfold's
+        # checkpoints are scratch (progress lives in Postgres) and it writes no other files.
+        .config("spark.hadoop.fs.file.impl", "org.apache.hadoop.fs.RawLocalFileSystem")
+        .config(
+            "spark.hadoop.fs.AbstractFileSystem.file.impl", "org.apache.hadoop.fs.local.RawLocalFs"
+        )
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("WARN")

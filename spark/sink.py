@@ -119,23 +119,27 @@ def copy_rows(
     return n
 
 
-def merge_json(conn: psycopg.Connection[Any], output: Output, rows: list[str], target: str) -> int:
-    """Merge rows given as JSON objects (one per row, by column name) into `target` (the
-    output's table or its shadow) by the output's rules; Postgres converts the values."""
-    if not rows:
-        return 0
-    source = f"jsonb_populate_recordset(NULL::{output.name}, %s::jsonb)"
-    conn.execute(output.upsert_sql(target, source), ("[" + ",".join(rows) + "]",))
-    return len(rows)
+def merge_json(conn: psycopg.Connection[Any], output: Output, rows: str, target: str) -> None:
+    """Merge `rows`, a JSON array of row objects (by column name, any number per key), into
+    `target` (the output's table or its shadow): combined per key, then merged with what the
+    table holds, by the output's rules. Postgres converts the values."""
+    source = f"jsonb_populate_recordset(NULL::{output.name}, %s::jsonb) WITH ORDINALITY AS r"
+    combined = f"({output.combine_sql(source)}) AS batch"
+    conn.execute(output.upsert_sql(target, combined), (rows,))
 
 
 def merge_output(
     conn: psycopg.Connection[Any], output: Output, events: DataFrame, target: str
 ) -> int:
-    """Transform `events` and merge the rows into `target` (the output's table or its shadow)."""
-    rows = wire_rows(output.transform(events).select(*output.columns))
-    found = rows.select(F.to_json(F.struct(*output.columns)).alias("row")).collect()
-    return merge_json(conn, output, [r["row"] for r in found], target)
+    """Fold `events` into rows and merge them into `target` (the output's table or its
+    shadow). Returns how many rows were merged."""
+    rows = wire_rows(output.transform(events))
+    found = [
+        r["row"] for r in rows.select(F.to_json(F.struct(*output.columns)).alias("row")).collect()
+    ]
+    if found:
+        merge_json(conn, output, "[" + ",".join(found) + "]", target)
+    return len(found)
 
 
 def apply_events(
@@ -214,22 +218,6 @@ class Reconnecting:
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
-
-
-class LiveSink:
-    """`foreachBatch` function of the streaming projector for one projection."""
-
-    def __init__(self, projection: Projection, database_url: str) -> None:
-        self.projection, self.database_url = projection, database_url
-
-    def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        with psycopg.connect(self.database_url) as conn, conn.transaction():
-            offsets = lock_progress(conn, self.projection.name)
-            new, applied, late = apply_events(conn, self.projection, batch, offsets)
-            if applied:
-                save_progress(conn, self.projection.name, new, applied, late)
-        if applied:
-            log.info("%s: batch %s applied %s events", self.projection.name, batch_id, applied)
 
 
 def copy_partition(

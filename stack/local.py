@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import requests
@@ -99,22 +100,35 @@ class LocalStack:
         self._check_port(s.api_port, "the API", "LOGFOLD_API_PORT")
         for _ in range(s.processors):
             self.spawn("processor")
+        self._projector_spawned = self._database_now()
         self.spawn("projector")
         self.spawn("cdc")
         self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)
-        self.say("waiting for the Spark projector to start its queries…")
+        self.say("waiting for the Spark projector to warm up and start its queries…")
         wait_until(self._projector_started, 300, "the projector's queries")
 
-    def _projector_started(self) -> bool:
+    def _database_now(self) -> datetime:
         import psycopg
 
-        from projections.registry import PROJECTIONS
+        with psycopg.connect(self.settings.database()) as conn:
+            row = conn.execute("SELECT now()").fetchone()
+        assert row is not None and isinstance(row[0], datetime)
+        return row[0]
+
+    def _projector_started(self) -> bool:
+        """Every fold's query has started (after its warm-up) since the projector was spawned."""
+        import psycopg
+
+        from projections.registry import FOLDS
 
         with psycopg.connect(self.settings.database()) as conn:
-            rows = conn.execute("SELECT projection FROM projection_progress").fetchall()
-        return {r[0] for r in rows} >= set(PROJECTIONS)
+            rows = conn.execute(
+                "SELECT projection FROM projection_progress WHERE started_at >= %s",
+                (self._projector_spawned,),
+            ).fetchall()
+        return {r[0] for r in rows} >= set(FOLDS)
 
     def stop(self) -> None:
         for proc in reversed(self.children):

@@ -1,5 +1,6 @@
-"""Each projection's Spark transform on given events (a local Spark session; no Kafka, no
-Postgres), including windowing with late events."""
+"""Each projection's rows, combined by its merge rules (as a rebuild does), on given events (a
+local Spark session; no Kafka, no Postgres), including windowing with late events. The live
+pipeline combines the same rows in Postgres: tests/integration/test_projector.py."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_customers_take_each_field_from_its_latest_event(spark: SparkSession) ->
         ("customer", "c1", 3, CustomerEmailChanged("ada@x.org"), 2),
         ("customer", "c2", 1, CustomerRegistered("Bo", "b@x.org"), 3),
     )
-    assert rows(customers.transform(events)) == [
+    assert rows(customers.output.transform(events)) == [
         {
             "customer_id": "c1",
             "name": "Ada L",
@@ -108,7 +109,7 @@ def test_customers_take_each_field_from_its_latest_event(spark: SparkSession) ->
 
 def test_a_batch_without_the_creating_event_yields_a_partial_row(spark: SparkSession) -> None:
     events = log(spark, ("customer", "c1", 4, CustomerRenamed("New"), 0))
-    assert rows(customers.transform(events)) == [
+    assert rows(customers.output.transform(events)) == [
         {"customer_id": "c1", "name": "New", "email": None, "registered_at": None, "version": 4}
     ]
 
@@ -122,7 +123,7 @@ def test_orders_follow_status_and_timestamps(spark: SparkSession) -> None:
         ("order", "o2", 1, OrderPlaced("c2", (EMMA,), 999), 1),
         ("order", "o2", 2, OrderCancelled("no"), 2),
     )
-    assert rows(orders.transform(events)) == [
+    assert rows(orders.output.transform(events)) == [
         {
             "order_id": "o1",
             "customer_id": "c1",
@@ -156,7 +157,7 @@ def test_books_keep_their_details_and_add_up_units_paid(spark: SparkSession) -> 
         ("order", "o1", 2, OrderPaid(2999, (DUNE, EMMA)), 2),
         ("order", "o2", 2, OrderPaid(2000, (DUNE,)), 3),
     )
-    assert rows(books.transform(events)) == [
+    assert rows(books.output.transform(events)) == [
         {
             "book_id": "dune",
             "title": "Dune",
@@ -186,7 +187,7 @@ def test_royalties_count_paid_orders_only_rounding_half_up_per_line(spark: Spark
         ("order", "o1", 2, OrderPaid(2000, (DUNE, odd)), 1),
         ("order", "o2", 2, OrderPaid(999, (EMMA,)), 2),
     )
-    assert rows(author_royalties.transform(events)) == [
+    assert rows(author_royalties.output.transform(events)) == [
         {"author": "Austen", "royalty_cents": 100, "units_sold": 1},
         {"author": "Herbert", "royalty_cents": 251, "units_sold": 3},
     ]
@@ -204,7 +205,7 @@ def test_sales_windows_are_hourly_in_event_time_and_late_events_are_set_aside(
         ("order", "o3", 2, OrderPaid(999, (EMMA,)), 44, 9),  # 10:59, 9 min late: ok
         ("order", "o4", 2, OrderPaid(2000, (DUNE,)), 30, 11),
     )  # 10:45, 11 min late
-    assert rows(sales_by_hour.transform(events)) == [
+    assert rows(sales_by_hour.windows.transform(events)) == [
         {
             "book_id": "dune",
             "window_start": datetime(2026, 11, 21, 10),
@@ -224,6 +225,6 @@ def test_sales_windows_are_hourly_in_event_time_and_late_events_are_set_aside(
             "revenue_cents": 999,
         },
     ]
-    [late] = rows(sales_by_hour.late(events))
+    [late] = rows(sales_by_hour.late.transform(events))
     assert (late["event_id"], late["occurred_at"]) == ("e3", naive(30))
     assert late["watermark"] == naive(31)

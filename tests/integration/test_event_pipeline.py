@@ -1,0 +1,188 @@
+"""The event pipeline (one query for every projection), run in this process on real Kafka,
+Postgres and Spark:
+
+- guarantee 16: a projection whose rows raise on some event is marked failed (in /health and
+  /metrics, with the error and the offsets it could not get past) while the others in the same
+  query go on; once fixed and restarted it catches up from its own progress and rejoins;
+- events at an older schema version, in a batch with current ones, are folded in their
+  upcast form (the Python upcasters run only for them)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from app import create_app
+from events.customer import CustomerRegistered
+from events.order import OrderPlaced, PlacedLine
+from projections import customers, orders
+from projections.base import Output, Projection
+from stack.procs import wait_until
+from stack.settings import Settings
+from tests.integration.test_upcasting import produce_raw, v1_customer_registered
+from tests.support import append_events, token
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+ADMIN = {"Authorization": f"Bearer {token('admin')}"}
+AT = "2026-11-23T10:00:00+00:00"
+POISON = "Poison Pill"
+
+
+def broken_rows() -> Any:
+    """customers' rows, except that the customer named POISON makes them raise (a bug)."""
+    from projections._fold import F, field
+
+    poisoned = F.coalesce(field("name") == POISON, F.lit(False))
+    return F.when(poisoned, F.raise_error(F.lit("deliberately broken"))).otherwise(customers.rows())
+
+
+BROKEN = Projection(
+    "customers",
+    topics=("customer",),
+    outputs=(
+        Output(
+            customers.table,
+            rows=broken_rows,
+            merge=customers.output.merge,
+            filterable=customers.output.filterable,
+        ),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def spark(deployment: Settings) -> Iterator[Any]:
+    from spark.session import session
+
+    s = session(deployment, "logfold-isolation-tests")
+    yield s
+    s.stop()
+
+
+def run_events(settings: Settings, spark: Any, projections: tuple[Projection, ...]) -> Any:
+    """The event pipeline of `projections`, in this process (as the projector runs it)."""
+    from spark.projector import Projector
+
+    projector = Projector(settings, spark, projections=projections, joins=())
+    projector.start("events")
+    return projector
+
+
+def stop(projector: Any) -> None:
+    for query in projector.queries.values():
+        query.stop()
+
+
+def customer_names(settings: Settings) -> set[str]:
+    with psycopg.connect(settings.database()) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM customers").fetchall()}
+
+
+def order_ids(settings: Settings) -> set[str]:
+    with psycopg.connect(settings.database()) as conn:
+        return {r[0] for r in conn.execute("SELECT order_id FROM orders").fetchall()}
+
+
+def failure(settings: Settings) -> tuple[str | None, dict[str, int] | None]:
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute(
+            "SELECT error, error_offsets FROM projection_progress WHERE projection = 'customers'"
+        ).fetchone()
+    return (row[0], row[1]) if row else (None, None)
+
+
+def register(settings: Settings, name: str) -> str:
+    cid = f"c-{uuid.uuid4().hex[:8]}"
+    append_events(settings, "customer", cid, (1, CustomerRegistered(name, f"{cid}@x.org"), AT))
+    return cid
+
+
+def place(settings: Settings) -> str:
+    oid = f"o-{uuid.uuid4().hex[:8]}"
+    line = PlacedLine("dune", 1, 1000, "Herbert", 0.1)
+    append_events(settings, "order", oid, (1, OrderPlaced("c", (line,), 1000), AT))
+    return oid
+
+
+def test_a_failing_projection_stops_alone_is_reported_and_catches_up_once_fixed(
+    deployment: Settings, spark: Any
+) -> None:
+    projector = run_events(deployment, spark, (BROKEN, orders.projection))
+    try:
+        register(deployment, "Ada")
+        wait_until(lambda: "Ada" in customer_names(deployment), 120, "Ada in customers")
+
+        register(deployment, POISON)
+        wait_until(lambda: failure(deployment)[0] is not None, 120, "customers marked failed")
+        error, offsets = failure(deployment)
+        assert error is not None and "deliberately broken" in error
+        assert offsets, "the failure names the offsets it could not get past"
+
+        # The other projection of the same query keeps going; the failed one stays put.
+        after = [place(deployment) for _ in range(3)]
+        register(deployment, "Cy")
+        wait_until(lambda: set(after) <= order_ids(deployment), 120, "orders after the failure")
+        assert customer_names(deployment) == {"Ada"}
+        assert projector.queries["events"].isActive
+
+        app = create_app(deployment)
+        try:
+            client = app.test_client()
+            component = client.get("/health").json["components"]["projection:customers"]
+            assert component["status"] == "failed"
+            assert "deliberately broken" in component["error"]
+            assert component["failed_at_offsets"] == offsets
+            assert component["lag_events"] > 0  # the poison pill (and Cy) wait behind it
+            assert client.get("/health").json["components"]["projection:orders"]["status"] == "up"
+            metrics = client.get("/metrics", headers=ADMIN).get_data(as_text=True)
+            assert 'logfold_component_failed{component="projection:customers"} 1.0' in metrics
+            assert 'logfold_component_failed{component="projection:orders"} 0.0' in metrics
+        finally:
+            app.extensions["logfold.bus"].close()
+            app.extensions["logfold.hub"].stop()
+    finally:
+        stop(projector)
+
+    # Fixed (the real projection) and restarted: it resumes from its own progress.
+    projector = run_events(deployment, spark, (customers.projection, orders.projection))
+    try:
+        wait_until(
+            lambda: customer_names(deployment) == {"Ada", POISON, "Cy"}, 120, "customers caught up"
+        )
+        assert failure(deployment) == (None, None)
+        with psycopg.connect(deployment.database()) as conn:
+            applied = conn.execute(
+                "SELECT events_applied FROM projection_progress WHERE projection = 'customers'"
+            ).fetchone()
+        assert applied is not None and applied[0] == 3  # each event once, none twice
+    finally:
+        stop(projector)
+
+
+def test_old_schema_events_are_folded_upcast_in_a_batch_with_current_ones(
+    deployment: Settings, spark: Any
+) -> None:
+    legacy = f"legacy-{uuid.uuid4().hex[:10]}"
+    produce_raw(deployment, legacy, json.dumps(v1_customer_registered(legacy)).encode())
+    current = register(deployment, "Linus")
+    projector = run_events(deployment, spark, (customers.projection,))
+    try:
+        wait_until(
+            lambda: {"Grace Hopper", "Linus"} <= customer_names(deployment), 120, "both customers"
+        )
+    finally:
+        stop(projector)
+    with psycopg.connect(deployment.database()) as conn:
+        rows = dict(
+            conn.execute(
+                "SELECT customer_id, email FROM customers WHERE customer_id = ANY(%s)",
+                ([legacy, current],),
+            ).fetchall()
+        )
+    assert rows == {legacy: "grace@example.com", current: f"{current}@x.org"}
