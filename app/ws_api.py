@@ -25,6 +25,8 @@ from app.errors import ApiError
 from app.live import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, ReadModel
 from cdc.changes import Position
+from commands.messages import Position as CommandPosition
+from projections.base import Fold
 from projections.registry import VIEWS
 from stack.settings import Settings
 
@@ -35,6 +37,7 @@ sock = Sock()
 
 UNAUTHORIZED, FORBIDDEN = 4401, 4403
 AUTH_WAIT_S, HUB_WAIT_S = 10.0, 15.0
+DEFAULT_WAIT_S, MAX_WAIT_S = 5.0, 30.0  # as REST's ?wait=
 
 Scalar = str | int | float | bool | None
 
@@ -46,6 +49,9 @@ class Subscribe(BaseModel):
     view: str = Field(min_length=1, max_length=100)
     filter: dict[str, Scalar] = Field(default_factory=dict, max_length=16)
     since: str | None = Field(default=None, max_length=64)
+    # Read-your-writes: take the snapshot once the view includes this command position.
+    consistent_with: str | None = Field(default=None, max_length=200)
+    wait: float = Field(default=DEFAULT_WAIT_S, ge=0, le=MAX_WAIT_S)
 
 
 class Unsubscribe(BaseModel):
@@ -55,9 +61,9 @@ class Unsubscribe(BaseModel):
 
 
 class Problem(Exception):
-    def __init__(self, code: str, message: str, sub_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, sub_id: str | None = None, **details: Any) -> None:
         super().__init__(message)
-        self.code, self.message, self.sub_id = code, message, sub_id
+        self.code, self.message, self.sub_id, self.details = code, message, sub_id, details
 
 
 @sock.route("/ws", bp=bp)  # type: ignore[untyped-decorator]
@@ -189,6 +195,7 @@ class Connection:
                     "id": p.sub_id or sub_id,
                     "code": p.code,
                     "message": p.message,
+                    **p.details,
                 }
             )
 
@@ -223,6 +230,8 @@ class Connection:
                 since = Position.parse(m.since)
             except ValueError as e:
                 raise Problem("validation_failed", str(e), m.id) from e
+        if m.consistent_with is not None:
+            self._wait_for(projection, m)
         sub = Subscription(m.id, m.view, output.name, projection.name, wanted, self.client)
         self.client.subscriptions[m.id] = sub
         self.client.offer({"type": "subscribed", "id": m.id})
@@ -232,6 +241,27 @@ class Connection:
             self.client.subscriptions.pop(m.id, None)
             self.hub.unsubscribe(sub)
             raise
+
+    def _wait_for(self, fold: Fold, m: Subscribe) -> None:
+        """Wait until the view includes the command position `consistent_with` (the bound of
+        REST's `?consistent_with=&wait=`); an error `timeout` with the lag if it does not."""
+        assert m.consistent_with is not None
+        try:
+            written = CommandPosition.parse(m.consistent_with)
+        except ValueError as e:
+            raise Problem("validation_failed", f"consistent_with: {e}", m.id) from e
+        try:
+            if self.model.wait_for(fold, written, m.wait):
+                return
+            lag = self.model.lag().get(fold.name, {})
+        except (OperationalError, PoolTimeout) as e:
+            raise Problem("unavailable", "the database is unavailable; retry", m.id) from e
+        raise Problem(
+            "timeout",
+            f"{m.view} did not reach the position within {m.wait:g}s",
+            m.id,
+            lag=lag,
+        )
 
     def _start(self, sub: Subscription, since: Position | None) -> None:
         if not self.hub.ready.wait(HUB_WAIT_S):

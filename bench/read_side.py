@@ -2,14 +2,24 @@
 
     .venv/bin/python bench/read_side.py freshness --rates 10 25 50 --duration 20 --repeats 3
     .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
+    .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
 
 freshness: commands are posted open-loop at each rate; for every 201 we record when the view
 includes its position (the projection's progress and its rows commit in one transaction, so
 that is when the row becomes visible). A single monitor polls the progress table every 10 ms.
+The ceiling, measured first in the same run (Kafka and Postgres up, nothing else): records
+produced at the same rate into a topic read by a trivial Structured Streaming query (Kafka
+source tuned as the projector's, no trigger interval) whose foreachBatch collects the batch and
+inserts its keys into a Postgres table; from the producer's ack to the row being visible.
+
+idle: the whole stack as `make run` starts it (processor, projector, CDC, API, Kafka,
+Postgres), warmed by one command and caught up, then left alone: CPU used by all its processes,
+as a share of one core.
 
 rebuild: writes N events of a realistic bookshop mix straight into the event topics, then times
-`rebuild` of every projection; in the same run, the bare rate of reading the same records from
-Kafka with Spark (no decoding) and of COPYing rows of the views' width into Postgres, as ceilings.
+the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
+run, the bare rate of reading the same records from Kafka with Spark (no decoding) and of
+COPYing rows of the views' width into Postgres, as ceilings.
 """
 
 from __future__ import annotations
@@ -82,6 +92,10 @@ class Stack:
 def freshness(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack()
     with stack as settings:
+        ceiling = [
+            {"offered_per_s": rate, **trivial_query(settings, rate, args.duration, args.repeats)}
+            for rate in args.rates
+        ]
         procs = Processes(settings, stack.work)
         try:
             procs.processor()
@@ -102,7 +116,159 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                         "runs": runs,
                     }
                 )
-            return {"benchmark": "freshness", "view": "customers", "levels": levels}
+            return {
+                "benchmark": "freshness",
+                "view": "customers",
+                "levels": levels,
+                "ceiling": ceiling,
+            }
+        finally:
+            procs.stop()
+
+
+def trivial_query(settings: Settings, rate: float, duration: float, repeats: int) -> dict[str, Any]:
+    """The ceiling: produce -> trivial streaming query -> Postgres, at `rate` (see the doc)."""
+    from pyspark.sql import DataFrame
+
+    from spark.decode import kafka_options
+    from spark.session import session
+
+    topic = f"{settings.topic_prefix}ceiling.{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(settings.database(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS ceiling (k text PRIMARY KEY)")
+
+    def sink(batch: DataFrame, _: int) -> None:
+        keys = [r[0] for r in batch.selectExpr("CAST(key AS STRING)").collect()]
+        if keys:
+            with psycopg.connect(settings.database()) as conn, conn.transaction():
+                conn.execute("INSERT INTO ceiling SELECT unnest(%s::text[])", (keys,))
+
+    spark = session(settings, "logfold-bench-ceiling")
+    records = (
+        spark.readStream.format("kafka")
+        .options(**kafka_options(settings.kafka()))
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .load()
+    )
+    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    producer.send(topic, key=b"warm", value=b"x").get(timeout=30)
+    query = (
+        records.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", tempfile.mkdtemp(prefix="logfold-ceiling-"))
+        .start()
+    )
+    try:
+        wait_until(lambda: visible(settings, "warm"), 120, "the trivial query")
+        runs = []
+        for _ in range(repeats):
+
+            def send(i: int) -> tuple[str, float]:
+                key = uuid.uuid4().hex
+                producer.send(topic, key=key.encode(), value=b"x").get(timeout=30)
+                return key, time.perf_counter()
+
+            runs.append(open_loop(settings, rate, duration, send))
+        return {
+            "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+            "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+            "runs": runs,
+        }
+    finally:
+        query.stop()
+        producer.close()
+        spark.stop()
+
+
+def visible(settings: Settings, key: str) -> bool:
+    with psycopg.connect(settings.database()) as conn:
+        return conn.execute("SELECT 1 FROM ceiling WHERE k = %s", (key,)).fetchone() is not None
+
+
+def open_loop(settings: Settings, rate: float, duration: float, send: Any) -> dict[str, Any]:
+    """Call `send(i)` (-> key, when it was acked) at `rate` for `duration` s; the latency of
+    each key until it is in the ceiling table."""
+    pending: dict[str, float] = {}
+    lags: list[float] = []
+    lock, done = threading.Lock(), threading.Event()
+
+    def monitor() -> None:
+        with psycopg.connect(settings.database(), autocommit=True) as conn:
+            while not (done.is_set() and not pending):
+                with lock:
+                    keys = list(pending)
+                if keys:
+                    found = conn.execute(
+                        "SELECT k FROM ceiling WHERE k = ANY(%s)", (keys,)
+                    ).fetchall()
+                    now = time.perf_counter()
+                    with lock:
+                        for (k,) in found:
+                            lags.append(now - pending.pop(k))
+                time.sleep(0.01)
+
+    watcher = threading.Thread(target=monitor)
+    watcher.start()
+    total, start = int(rate * duration), time.perf_counter() + 0.2
+
+    def one(i: int) -> None:
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        key, acked = send(i)
+        with lock:
+            pending[key] = acked
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        list(pool.map(one, range(total)))
+    done.set()
+    watcher.join(timeout=300)
+    return {
+        "offered_per_s": rate,
+        "visible": len(lags),
+        "p50_ms": percentile(lags, 0.5) * 1e3,
+        "p99_ms": percentile(lags, 0.99) * 1e3,
+    }
+
+
+def idle(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.procstat import cpu_seconds, tree
+
+    stack = Stack()
+    with stack as settings:
+        procs = Processes(settings, stack.work)
+        try:
+            procs.cdc()
+            procs.processor()
+            procs.projector()
+            _, url = procs.api()
+            procs.wait_processing(url, 1)
+            api = HttpApi(url, token())
+            first = api.command("register-customer", {"name": "warm", "email": "w@example.com"})
+            wait_until(lambda: included(settings, first.body["position"]), 180, "the projector")
+            names = ["cdc", "processor", "projector", "api"]
+            roots = dict(zip(names, (p.pid for p in procs.procs), strict=True))
+            roots.update(
+                {
+                    n: x.proc.pid
+                    for n, x in (("kafka", stack.kafka), ("postgres", stack.pg))
+                    if x.proc
+                }
+            )
+            runs: list[dict[str, float]] = []
+            for _ in tqdm(range(args.repeats), desc="idle", unit="run"):
+                trees = {n: tree(pid) for n, pid in roots.items()}
+                before = {n: sum(cpu_seconds(t)) for n, t in trees.items()}
+                t0 = time.perf_counter()
+                time.sleep(args.duration)
+                took = time.perf_counter() - t0
+                used = {n: 100 * (sum(cpu_seconds(t)) - before[n]) / took for n, t in trees.items()}
+                runs.append({"all": sum(used.values()), **used})
+            return {
+                "benchmark": "idle",
+                "percent_of_one_core": {k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                "runs": runs,
+            }
         finally:
             procs.stop()
 
@@ -243,16 +409,11 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
             n = read_batch(spark, settings.kafka(), everything, "earliest", "latest").count()
             results.setdefault("spark_kafka_read_per_s", []).append(n / (time.perf_counter() - t))
             results.setdefault("copy_rows_per_s", []).append(copy_rate(settings, 200_000))
-            total_events = total_seconds = 0.0
-            for name, projection in PROJECTIONS.items():
-                report = job.run(projection, verify=False, progress=False)
-                results.setdefault(f"{name}_events_per_s", []).append(
-                    report.events / report.seconds
-                )
-                total_events += report.events
-                total_seconds += report.seconds
-            results.setdefault("all_views_seconds", []).append(total_seconds)
-            results.setdefault("all_views_events_per_s", []).append(total_events / total_seconds)
+            t = time.perf_counter()
+            job.run_many(list(PROJECTIONS.values()), verify=False, progress=False)
+            took = time.perf_counter() - t
+            results.setdefault("all_views_seconds", []).append(took)
+            results.setdefault("all_views_events_per_s", []).append(written / took)
         spark.stop()
         medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
         return {**results, "medians": medians}
@@ -294,8 +455,12 @@ def main() -> None:
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
     r.add_argument("--repeats", type=int, default=3)
+    i = sub.add_parser("idle", help="CPU of the whole stack left alone")
+    i.add_argument("--duration", type=float, default=60)
+    i.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    result = freshness(args) if args.which == "freshness" else rebuild(args)
+    run = {"freshness": freshness, "rebuild": rebuild, "idle": idle}[args.which]
+    result = run(args)
     print(json.dumps(result, indent=2, default=str))
 
 

@@ -1,9 +1,10 @@
-"""Rebuild a projection by replaying the whole log, without readers ever seeing it half-built.
+"""Rebuild projections by replaying the whole log, without readers ever seeing them half-built.
 
-1. Read every committed event of the projection's topics (a Spark batch up to the current end
-   offsets), transform it with the projection's own transforms, and bulk-load the rows (COPY)
-   into shadow tables `<table>__rebuild`.
-2. Catch the shadow up, in batches, to whatever the live projector has applied meanwhile.
+1. Read every committed event of the projections' topics once (a Spark batch up to the current
+   end offsets, decoded once and cached), fold it into each output's rows by the output's own
+   rules (`Output.transform`), and bulk-load them (COPY) into shadow tables `<table>__rebuild`.
+2. Catch each shadow up, in batches, to whatever the live projector has applied meanwhile.
+Then, for each projection:
 3. Holding the projection's progress lock (live batches wait): apply the last few events,
    optionally compare live and shadow row for row, then make the live table equal to the shadow
    by writing only the rows that differ (usually none), all in one transaction: readers see the
@@ -22,10 +23,11 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from tqdm import tqdm
 
 from projections.base import Output, Projection
-from spark.decode import decode_events, offsets_json, read_batch
+from spark.decode import decode_events, events_of, offsets_json, parse_events, read_batch
 from spark.sink import (
     apply_events,
     copy_partition,
@@ -73,34 +75,76 @@ class Rebuild:
         )
 
     def run(self, projection: Projection, verify: bool = False, progress: bool = True) -> Report:
+        return self.run_many([projection], verify, progress)[0]
+
+    def run_many(
+        self, projections: list[Projection], verify: bool = False, progress: bool = True
+    ) -> list[Report]:
+        """Rebuild `projections` from one read of their topics (see the module's docstring)."""
+        if not projections:
+            return []
         started = time.monotonic()
-        events = self._read(projection, "earliest", "latest").persist()
+        names = sorted({self.topics.events(t) for p in projections for t in p.topics})
+        raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
+        parsed = parse_events(raw).persist()
+        reports = []
         try:
-            covered, total = last_offsets(events)
-            with psycopg.connect(self.url, autocommit=True) as conn:
-                for output in projection.outputs:
+            old = parsed.where(~F.col("current")).count()  # reads the log, once, into the cache
+            events = events_of(parsed, upcast=old > 0).persist()
+            try:
+                seen, _ = last_offsets(events)  # fills the events' cache
+                parsed.unpersist()
+                counts = self._counts(events)
+                shares = {p.name: self._share(p, counts) for p in projections}
+                self._create_shadows(projections)
+                total = sum(shares[p.name] * len(p.outputs) for p in projections)
+                label = projections[0].name if len(projections) == 1 else "every projection"
+                bar = tqdm(total=total, unit="ev", desc=f"rebuild {label}", disable=not progress)
+                with bar:
+                    for p in projections:
+                        mine = events.where(F.col("topic").isin(self._names(p)))
+                        for output in p.outputs:
+                            self._bulk_load(output, mine, bar, shares[p.name])
+                    bar.n = total
+                    bar.refresh()
+            finally:
+                events.unpersist()
+        finally:
+            parsed.unpersist()
+        loaded = time.monotonic()
+        for p in projections:
+            t0 = time.monotonic()
+            reads = set(p.reads(self.topics, self.settings.partitions))
+            covered = self._catch_up(p, {k: v for k, v in seen.items() if k in reads})
+            report = self._swap(p, covered, verify)
+            report.events = shares[p.name]
+            # The shared read and load are split between projections by their events.
+            part = shares[p.name] / max(sum(shares.values()), 1)
+            report.seconds = (loaded - started) * part + time.monotonic() - t0
+            reports.append(report)
+        return reports
+
+    def _names(self, projection: Projection) -> list[str]:
+        return [self.topics.events(t) for t in projection.topics]
+
+    def _counts(self, events: DataFrame) -> dict[str, int]:
+        rows = events.groupBy("topic").count().collect()
+        return {r["topic"]: int(r["count"]) for r in rows}
+
+    def _share(self, projection: Projection, counts: dict[str, int]) -> int:
+        return sum(counts.get(n, 0) for n in self._names(projection))
+
+    def _create_shadows(self, projections: list[Projection]) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            for p in projections:
+                for output in p.outputs:
                     conn.execute(f"DROP TABLE IF EXISTS {output.name}{SHADOW}")
                     conn.execute(
                         f"CREATE TABLE {output.name}{SHADOW} (LIKE {output.name} INCLUDING ALL)"
                     )
-            bar = tqdm(
-                total=total, unit="ev", desc=f"rebuild {projection.name}", disable=not progress
-            )
-            with bar:
-                for output in projection.outputs:
-                    self._bulk_load(output, events, bar, total / max(len(projection.outputs), 1))
-                bar.n = total
-                bar.refresh()
-        finally:
-            events.unpersist()
-        covered = self._catch_up(projection, covered)
-        report = self._swap(projection, covered, verify)
-        report.events = total
-        report.seconds = time.monotonic() - started
-        return report
 
     def _bulk_load(self, output: Output, events: DataFrame, bar: tqdm, share: float) -> None:
-        rows = wire_rows(output.transform(events).select(*output.columns))
+        rows = wire_rows(output.transform(events))
         load = copy_partition(self.url, output.name + SHADOW, output.columns)
         watcher = _TaskProgress(self.spark, bar, share)
         watcher.start()

@@ -163,12 +163,14 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
     _require_topics(settings)
     spark = session(settings, "logfold-rebuild")
     job, joins = Rebuild(settings, spark), JoinRebuild(settings, spark)
+    chosen = projections or tuple(known)
+    # Every projection named is rebuilt from one read of the log; then the joins, which read
+    # the rebuilt tables' changelogs.
+    reports = job.run_many([PROJECTIONS[n] for n in chosen if n in PROJECTIONS], verify=verify)
+    reports += [joins.run(JOINS[n], verify=verify) for n in chosen if n in JOINS]
     differences = 0
-    for name in projections or tuple(known):
-        if name in JOINS:
-            report = joins.run(JOINS[name], verify=verify)
-        else:
-            report = job.run(PROJECTIONS[name], verify=verify)
+    for report in reports:
+        name = report.projection
         rate = report.events / report.seconds if report.seconds else 0.0
         rows = ", ".join(f"{t}: {n} rows" for t, n in report.rows.items())
         click.echo(

@@ -234,6 +234,8 @@ SUBSCRIBE = {"op": "subscribe", "id": "s", "view": "customers"}
         ({"op": "subscribe", "id": "s", "view": "no_such_view"}, "not_found"),
         ({**SUBSCRIBE, "filter": {"x": 1}}, "validation_failed"),
         ({**SUBSCRIBE, "since": "yesterday"}, "validation_failed"),
+        ({**SUBSCRIBE, "consistent_with": "yesterday"}, "validation_failed"),
+        ({**SUBSCRIBE, "consistent_with": "x", "wait": 31}, "validation_failed"),
         ({**SUBSCRIBE, "filter": {"name": ["a"]}}, "validation_failed"),
         ({"op": "subscribe", "view": "customers"}, "validation_failed"),
         ({"op": "dance"}, "validation_failed"),

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from commands.messages import Position
 from stack.procs import wait_until
 from stack.settings import Settings
 from tests.changes import slot_ready
@@ -148,6 +149,73 @@ def test_renaming_a_customer_reaches_every_subscriber_of_its_order_summaries(
     for client in [*watchers, bystander]:
         assert client.close_code is None
         client.close()
+
+
+def test_a_subscription_consistent_with_a_command_has_it_in_its_snapshot(stack: Stack) -> None:
+    """Guarantee 8 for websockets: subscribed right after the commands, with `consistent_with`
+    their position, the first snapshot already holds what they wrote, on a projection's view
+    and on a joined view (which also waits for CDC and the join)."""
+    tag = uuid.uuid4().hex[:8]
+    book = stack.command(
+        "add-book",
+        {"title": "Emma", "author": f"Austen {tag}", "price_cents": 999, "royalty_rate": 0.1},
+    )
+    registered = stack.api.command(
+        "register-customer", {"name": "Cy", "email": f"c-{tag}@example.com"}
+    )
+    assert registered.status == 201, registered.body
+    cid = registered.body["aggregate_id"]
+    placed = stack.api.command(
+        "place-order", {"customer_id": cid, "lines": [{"book_id": book, "quantity": 2}]}
+    )
+    assert placed.status == 201, placed.body
+    oid = placed.body["aggregate_id"]
+
+    client = stack.client()
+    client.send(
+        {
+            "op": "subscribe",
+            "id": "me",
+            "view": "customers",
+            "filter": {"customer_id": cid},
+            "consistent_with": registered.body["position"],
+            "wait": 30,
+        }
+    )
+    client.send(
+        {
+            "op": "subscribe",
+            "id": "orders",
+            "view": "order_summaries",
+            "filter": {"customer_id": cid},
+            "consistent_with": placed.body["position"],
+            "wait": 30,
+        }
+    )
+    client.wait_for(lambda: bool(client.of("orders", "snapshot")), "both snapshots", PIPELINE_S)
+    [me] = client.of("me", "snapshot")
+    assert [(r["customer_id"], r["name"]) for r in me["rows"]] == [(cid, "Cy")]
+    [summaries] = client.of("orders", "snapshot")
+    assert [(r["order_id"], r["customer_name"]) for r in summaries["rows"]] == [(oid, "Cy")]
+
+    # A position the view cannot reach in time: an error `timeout` with the lag, no snapshot.
+    p = Position.parse(registered.body["position"])  # customers reads its partition
+    beyond = Position(p.topic, p.partition, p.offset + 1_000_000).token()
+    client.send(
+        {
+            "op": "subscribe",
+            "id": "late",
+            "view": "customers",
+            "consistent_with": beyond,
+            "wait": 0.5,
+        }
+    )
+    client.wait_for(lambda: bool(client.of("late", "error")), "a timeout", 30)
+    [error] = client.of("late", "error")
+    assert error["code"] == "timeout" and "lag" in error, error
+    assert not client.of("late", "snapshot") and not client.of("late", "subscribed")
+    assert client.close_code is None
+    client.close()
 
 
 def test_a_plain_table_edit_reaches_the_joined_view_and_its_subscribers(stack: Stack) -> None:
