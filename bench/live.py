@@ -4,13 +4,14 @@ processes started with the project's CLI).
     .venv/bin/python bench/live.py freshness --rates 5 20 50 --duration 60 --repeats 3
     .venv/bin/python bench/live.py fanout --clients 1000 --rates 2 5 10 20 --duration 30 --repeats 3
 
-freshness: processor, projector, cdc and api processes; one websocket client subscribed to
-`customers` filtered on a name that the run's `register-customer` commands all use. Commands are
-posted open-loop at each rate; for each `201` we time the arrival of the websocket `change` whose
-row has the command's aggregate id and version. A plain Kafka consumer of `cdc.customers` in the
-bench splits that time: the change's commit in Postgres (the `committed_at` header, i.e. when
-the projector made the row visible), when CDC produced the record (its CreateTime) and when an
-ordinary consumer could read it.
+freshness: first the ceiling, as in `read_side.py freshness` (a trivial Kafka -> foreachBatch ->
+Postgres query, same rates); then processor, projector, cdc and api processes; one websocket
+client subscribed to `customers` filtered on a name that the run's `register-customer` commands
+all use. Commands are posted open-loop at each rate; for each `201` we time the arrival of the
+websocket `change` whose row has the command's aggregate id and version. A plain Kafka consumer
+of `cdc.customers` in the bench splits that time: the change's commit in Postgres (the
+`committed_at` header, i.e. when the projector made the row visible), when CDC produced the
+record (its CreateTime) and when an ordinary consumer could read it.
 
 fanout: cdc and api processes only (no events: the changes are plain SQL `UPDATE customers`,
 which isolates the push path). N websocket subscribers of `customers` in one or a few client
@@ -49,7 +50,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.procstat import CpuMeter, rss_mib, threads, tree
-from bench.read_side import Stack, percentile
+from bench.read_side import Stack, percentile, trivial_query
 from bench.wsfleet import Fleet
 from stack.procs import wait_until
 from stack.settings import Settings
@@ -193,6 +194,10 @@ def open_loop(rate: float, duration: float, one: Callable[[int, float], None]) -
 def freshness(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack()
     with stack as settings:
+        ceiling = [
+            {"offered_per_s": rate, **trivial_query(settings, rate, args.duration, args.repeats)}
+            for rate in args.rates
+        ]
         procs = Processes(settings, stack.work)
         try:
             roots = {
@@ -221,6 +226,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 "view": "customers (filtered on name)",
                 "duration_s": args.duration,
                 "levels": levels,
+                "ceiling": ceiling,
             }
         finally:
             procs.stop()

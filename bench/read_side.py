@@ -1,20 +1,23 @@
 """Read-side benchmarks on the full local stack (real Kafka, Postgres, Spark).
 
-    .venv/bin/python bench/read_side.py freshness --rates 10 25 50 --duration 20 --repeats 3
+    .venv/bin/python bench/read_side.py freshness --rates 10 50 200 --duration 20 --repeats 3
     .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
     .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
 
-freshness: commands are posted open-loop at each rate; for every 201 we record when the view
-includes its position (the projection's progress and its rows commit in one transaction, so
-that is when the row becomes visible). A single monitor polls the progress table every 10 ms.
+freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka and Postgres.
+Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
+`customers` for `register-customer` (a projection: its rows and progress commit in one
+transaction) and in the joined `order_summaries` for `place-order` (projection, CDC, join). One
+monitor per run polls the view for the pending keys every 10 ms.
 The ceiling, measured first in the same run (Kafka and Postgres up, nothing else): records
 produced at the same rate into a topic read by a trivial Structured Streaming query (Kafka
 source tuned as the projector's, no trigger interval) whose foreachBatch collects the batch and
 inserts its keys into a Postgres table; from the producer's ack to the row being visible.
 
 idle: the whole stack as `make run` starts it (processor, projector, CDC, API, Kafka,
-Postgres), warmed by one command and caught up, then left alone: CPU used by all its processes,
-as a share of one core.
+Postgres), warmed by one command and caught up, then left alone (a settling minute first, while
+the JVMs finish compiling the start-up's code): CPU used by all its processes, as a share of
+one core.
 
 rebuild: writes N events of a realistic bookshop mix straight into the event topics, then times
 the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
@@ -39,6 +42,7 @@ from typing import Any
 
 import psycopg
 from kafka import KafkaProducer
+from kafka.admin import NewTopic
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,7 +58,7 @@ from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
 from stack.procs import free_port, wait_until
 from stack.settings import Settings
-from stack.topics import Topics, create_topics
+from stack.topics import Topics, admin_client, create_topics
 from tests.support import SECRET, HttpApi, Processes, token
 
 
@@ -96,34 +100,124 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             {"offered_per_s": rate, **trivial_query(settings, rate, args.duration, args.repeats)}
             for rate in args.rates
         ]
-        procs = Processes(settings, stack.work)
+        # INFO: the projector logs each batch's timings, for reading the results.
+        procs = Processes(settings, stack.work, {"LOGFOLD_LOG_LEVEL": "INFO", **extra(args)})
         try:
+            with psycopg.connect(settings.database()) as conn:
+                (spawned,) = conn.execute("SELECT now()").fetchone() or (None,)
             procs.processor()
             procs.projector()
+            procs.cdc()
             _, url = procs.api()
             procs.wait_processing(url, 1)
             api = HttpApi(url, token())
-            first = api.command("register-customer", {"name": "warm", "email": "w@example.com"})
-            wait_until(lambda: included(settings, first.body["position"]), 180, "the projector")
-            levels = []
-            for rate in tqdm(args.rates, desc="rates", unit="level"):
-                runs = [one_rate(settings, api, rate, args.duration) for _ in range(args.repeats)]
-                levels.append(
-                    {
-                        "offered_per_s": rate,
-                        "p50_ms": statistics.median(r["p50_ms"] for r in runs),
-                        "p99_ms": statistics.median(r["p99_ms"] for r in runs),
-                        "runs": runs,
-                    }
-                )
-            return {
-                "benchmark": "freshness",
-                "view": "customers",
-                "levels": levels,
-                "ceiling": ceiling,
+            # As `make run` does before its banner: every projection and join warmed and started.
+            wait_until(lambda: started(settings, spawned), 300, "the projector's warm-up")
+            first_reads = [read_your_write(settings, api) for _ in range(5)]
+            book, buyers = warm_up(settings, api)
+            views: dict[str, Any] = {
+                "customers": (
+                    lambda _: ("register-customer", {"name": "n", "email": "n@example.com"}),
+                    "SELECT customer_id FROM customers WHERE customer_id = ANY(%s)",
+                ),
+                "order_summaries": (
+                    lambda i: (
+                        "place-order",
+                        {
+                            "customer_id": buyers[i % len(buyers)],
+                            "lines": [{"book_id": book, "quantity": 1}],
+                        },
+                    ),
+                    "SELECT order_id FROM order_summaries WHERE order_id = ANY(%s)",
+                ),
             }
+            result: dict[str, Any] = {
+                "benchmark": "freshness",
+                "ceiling": ceiling,
+                "first_reads_after_start_ms": first_reads,
+            }
+            for view in args.views:
+                command, sql = views[view]
+                levels = []
+                for rate in tqdm(args.rates, desc=view, unit="level"):
+                    runs = [
+                        open_loop(settings, rate, args.duration, posting(api, command), sql)
+                        for _ in range(args.repeats)
+                    ]
+                    levels.append(
+                        {
+                            "offered_per_s": rate,
+                            "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+                            "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+                            "runs": runs,
+                        }
+                    )
+                result[view] = levels
+            return result
         finally:
             procs.stop()
+
+
+def extra(args: argparse.Namespace) -> dict[str, str]:
+    """`--set KEY=VALUE` settings for the stack's processes (e.g. LOGFOLD_SPARK_IDLE_POLL_MS)."""
+    return dict(item.split("=", 1) for item in args.set)
+
+
+def started(settings: Settings, since: Any) -> bool:
+    from projections.registry import FOLDS
+
+    with psycopg.connect(settings.database()) as conn:
+        sql = "SELECT projection FROM projection_progress WHERE started_at >= %s"
+        return {r[0] for r in conn.execute(sql, (since,))} >= set(FOLDS)
+
+
+def read_your_write(settings: Settings, api: HttpApi) -> float:
+    """One `register-customer`, then ms from its 201 until its row is in `customers`."""
+    r = api.command("register-customer", {"name": "first", "email": "first@example.com"})
+    acked, cid = time.perf_counter(), r.body["aggregate_id"]
+    with psycopg.connect(settings.database(), autocommit=True) as conn:
+        sql = "SELECT 1 FROM customers WHERE customer_id = %s"
+        while conn.execute(sql, (cid,)).fetchone() is None:
+            if time.perf_counter() - acked > 60:
+                raise TimeoutError(f"customer {cid} not visible after 60 s")
+            time.sleep(0.005)
+    return (time.perf_counter() - acked) * 1e3
+
+
+def warm_up(settings: Settings, api: HttpApi) -> tuple[str, list[str]]:
+    """A book and 20 customers, all in their views and joined, before the clock starts."""
+    book = api.command(
+        "add-book",
+        {"title": "Emma", "author": "Austen", "price_cents": 999, "royalty_rate": 0.1},
+    ).body["aggregate_id"]
+    buyers = [
+        api.command("register-customer", {"name": f"b{i}", "email": f"b{i}@example.com"}).body[
+            "aggregate_id"
+        ]
+        for i in range(20)
+    ]
+    order = api.command(
+        "place-order", {"customer_id": buyers[0], "lines": [{"book_id": book, "quantity": 1}]}
+    ).body["aggregate_id"]
+
+    def joined() -> bool:
+        with psycopg.connect(settings.database()) as conn:
+            sql = "SELECT 1 FROM order_summaries WHERE order_id = %s AND customer_name IS NOT NULL"
+            return conn.execute(sql, (order,)).fetchone() is not None
+
+    wait_until(joined, 300, "the projector, CDC and the join")
+    return book, buyers
+
+
+def posting(api: HttpApi, command: Any) -> Any:
+    """`send(i)` for open_loop: post the i-th command; its aggregate id and when the 201 came."""
+
+    def send(i: int) -> tuple[str, float] | None:
+        name, body = command(i)
+        r = api.command(name, body)
+        return (r.body["aggregate_id"], time.perf_counter()) if r.status == 201 else None
+
+    return send
 
 
 def trivial_query(settings: Settings, rate: float, duration: float, repeats: int) -> dict[str, Any]:
@@ -134,6 +228,12 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
     from spark.session import session
 
     topic = f"{settings.topic_prefix}ceiling.{uuid.uuid4().hex[:6]}"
+    admin = admin_client(settings)
+    try:  # the local broker does not create topics on first use
+        admin.create_topics([NewTopic(topic, 1, settings.replication_factor)])
+        admin.wait_for_topics([topic], timeout_ms=30000)
+    finally:
+        admin.close()
     with psycopg.connect(settings.database(), autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS ceiling (k text PRIMARY KEY)")
 
@@ -141,7 +241,9 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
         keys = [r[0] for r in batch.selectExpr("CAST(key AS STRING)").collect()]
         if keys:
             with psycopg.connect(settings.database()) as conn, conn.transaction():
-                conn.execute("INSERT INTO ceiling SELECT unnest(%s::text[])", (keys,))
+                conn.execute(
+                    "INSERT INTO ceiling SELECT unnest(%s::text[]) ON CONFLICT DO NOTHING", (keys,)
+                )
 
     spark = session(settings, "logfold-bench-ceiling")
     records = (
@@ -152,14 +254,15 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
         .load()
     )
     producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
-    producer.send(topic, key=b"warm", value=b"x").get(timeout=30)
+    warm = f"warm-{topic}"
+    producer.send(topic, key=warm.encode(), value=b"x").get(timeout=30)
     query = (
         records.writeStream.foreachBatch(sink)
         .option("checkpointLocation", tempfile.mkdtemp(prefix="logfold-ceiling-"))
         .start()
     )
     try:
-        wait_until(lambda: visible(settings, "warm"), 120, "the trivial query")
+        wait_until(lambda: visible(settings, warm), 120, "the trivial query")
         runs = []
         for _ in range(repeats):
 
@@ -168,7 +271,7 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
                 producer.send(topic, key=key.encode(), value=b"x").get(timeout=30)
                 return key, time.perf_counter()
 
-            runs.append(open_loop(settings, rate, duration, send))
+            runs.append(open_loop(settings, rate, duration, send, CEILING_SQL))
         return {
             "p50_ms": statistics.median(r["p50_ms"] for r in runs),
             "p99_ms": statistics.median(r["p99_ms"] for r in runs),
@@ -180,27 +283,31 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
         spark.stop()
 
 
+CEILING_SQL = "SELECT k FROM ceiling WHERE k = ANY(%s)"
+
+
 def visible(settings: Settings, key: str) -> bool:
     with psycopg.connect(settings.database()) as conn:
-        return conn.execute("SELECT 1 FROM ceiling WHERE k = %s", (key,)).fetchone() is not None
+        return conn.execute(CEILING_SQL, ([key],)).fetchone() is not None
 
 
-def open_loop(settings: Settings, rate: float, duration: float, send: Any) -> dict[str, Any]:
-    """Call `send(i)` (-> key, when it was acked) at `rate` for `duration` s; the latency of
-    each key until it is in the ceiling table."""
+def open_loop(
+    settings: Settings, rate: float, duration: float, send: Any, sql: str
+) -> dict[str, Any]:
+    """Call `send(i)` (-> key and when it was acked, or None on a failure) at `rate` for
+    `duration` s; the latency of each key until `sql` (keys = ANY(%s)) finds it."""
     pending: dict[str, float] = {}
     lags: list[float] = []
-    lock, done = threading.Lock(), threading.Event()
+    failed = 0
+    lock, done, give_up = threading.Lock(), threading.Event(), threading.Event()
 
     def monitor() -> None:
         with psycopg.connect(settings.database(), autocommit=True) as conn:
-            while not (done.is_set() and not pending):
+            while not (done.is_set() and not pending) and not give_up.is_set():
                 with lock:
                     keys = list(pending)
                 if keys:
-                    found = conn.execute(
-                        "SELECT k FROM ceiling WHERE k = ANY(%s)", (keys,)
-                    ).fetchall()
+                    found = conn.execute(sql, (keys,)).fetchall()
                     now = time.perf_counter()
                     with lock:
                         for (k,) in found:
@@ -212,19 +319,26 @@ def open_loop(settings: Settings, rate: float, duration: float, send: Any) -> di
     total, start = int(rate * duration), time.perf_counter() + 0.2
 
     def one(i: int) -> None:
+        nonlocal failed
         delay = start + i / rate - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        key, acked = send(i)
+        sent = send(i)
         with lock:
-            pending[key] = acked
+            if sent is None:
+                failed += 1
+            else:
+                pending[sent[0]] = sent[1]
 
     with ThreadPoolExecutor(max_workers=64) as pool:
         list(pool.map(one, range(total)))
     done.set()
     watcher.join(timeout=300)
+    give_up.set()  # what is still pending counts as not visible
     return {
         "offered_per_s": rate,
+        "sent": total,
+        "failed": failed,
         "visible": len(lags),
         "p50_ms": percentile(lags, 0.5) * 1e3,
         "p99_ms": percentile(lags, 0.99) * 1e3,
@@ -236,7 +350,7 @@ def idle(args: argparse.Namespace) -> dict[str, Any]:
 
     stack = Stack()
     with stack as settings:
-        procs = Processes(settings, stack.work)
+        procs = Processes(settings, stack.work, extra(args))
         try:
             procs.cdc()
             procs.processor()
@@ -255,6 +369,9 @@ def idle(args: argparse.Namespace) -> dict[str, Any]:
                     if x.proc
                 }
             )
+            # Left alone for a while first: the JVMs are still compiling what the start-up ran.
+            for _ in tqdm(range(int(args.settle)), desc="settling", unit="s"):
+                time.sleep(1)
             runs: list[dict[str, float]] = []
             for _ in tqdm(range(args.repeats), desc="idle", unit="run"):
                 trees = {n: tree(pid) for n, pid in roots.items()}
@@ -281,52 +398,6 @@ def included(settings: Settings, token_: str) -> bool:
             (f"{p.topic}:{p.partition}",),
         ).fetchone()
     return bool(row and row[0] is not None and int(row[0]) >= p.offset)
-
-
-def one_rate(settings: Settings, api: HttpApi, rate: float, duration: float) -> dict[str, Any]:
-    pending: list[tuple[Position, float]] = []
-    lags: list[float] = []
-    lock, done = threading.Lock(), threading.Event()
-
-    def monitor() -> None:
-        with psycopg.connect(settings.database(), autocommit=True) as conn:
-            while not (done.is_set() and not pending):
-                (offsets,) = conn.execute(
-                    "SELECT offsets FROM projection_progress WHERE projection = 'customers'"
-                ).fetchone() or ({},)
-                now = time.perf_counter()
-                with lock:
-                    for item in list(pending):
-                        p, sent = item
-                        if int(offsets.get(f"{p.topic}:{p.partition}", -1)) >= p.offset:
-                            lags.append(now - sent)
-                            pending.remove(item)
-                time.sleep(0.01)
-
-    watcher = threading.Thread(target=monitor)
-    watcher.start()
-    total, start = int(rate * duration), time.perf_counter() + 0.2
-
-    def one(i: int) -> None:
-        delay = start + i / rate - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        n = uuid.uuid4().hex[:8]
-        r = api.command("register-customer", {"name": n, "email": f"{n}@example.com"})
-        if r.status == 201:
-            with lock:
-                pending.append((Position.parse(r.body["position"]), time.perf_counter()))
-
-    with ThreadPoolExecutor(max_workers=64) as pool:
-        list(pool.map(one, range(total)))
-    done.set()
-    watcher.join(timeout=300)
-    return {
-        "offered_per_s": rate,
-        "visible": len(lags),
-        "p50_ms": percentile(lags, 0.5) * 1e3,
-        "p99_ms": percentile(lags, 0.99) * 1e3,
-    }
 
 
 def write_log(settings: Settings, events: int, seed: int = 3) -> int:
@@ -449,7 +520,13 @@ def main() -> None:
     )
     sub = parser.add_subparsers(dest="which", required=True)
     f = sub.add_parser("freshness", help="command 201 -> row visible, at several rates")
-    f.add_argument("--rates", type=float, nargs="+", default=[10, 25, 50])
+    f.add_argument("--rates", type=float, nargs="+", default=[10, 50, 200])
+    f.add_argument(
+        "--views",
+        nargs="+",
+        default=["customers", "order_summaries"],
+        choices=["customers", "order_summaries"],
+    )
     f.add_argument("--duration", type=float, default=20)
     f.add_argument("--repeats", type=int, default=3)
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
@@ -457,7 +534,16 @@ def main() -> None:
     r.add_argument("--repeats", type=int, default=3)
     i = sub.add_parser("idle", help="CPU of the whole stack left alone")
     i.add_argument("--duration", type=float, default=60)
+    i.add_argument("--settle", type=float, default=60, help="seconds left alone before measuring")
     i.add_argument("--repeats", type=int, default=3)
+    for p in (f, i):
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a setting for the stack's processes, e.g. LOGFOLD_SPARK_IDLE_POLL_MS=50",
+        )
     args = parser.parse_args()
     run = {"freshness": freshness, "rebuild": rebuild, "idle": idle}[args.which]
     result = run(args)

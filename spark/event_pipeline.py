@@ -42,6 +42,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from events.catalog import EVENTS_BY_AGGREGATE
 from projections.base import Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, upcast
+from spark.session import idle_poll
 from spark.sink import (
     Reconnecting,
     ensure_progress,
@@ -330,6 +331,7 @@ class EventPipeline:
             .option("maxOffsetsPerTrigger", MAX_RECORDS_PER_BATCH)
             .load()
         )
+        idle_poll(self.spark, self.settings.spark_idle_poll_ms)
         query = (
             every_event(parse_events(records))
             .writeStream.foreachBatch(self.sink)

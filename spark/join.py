@@ -37,6 +37,7 @@ from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
 from spark.rebuild import SHADOW, Report, differences
+from spark.session import idle_poll
 from spark.sink import (
     Reconnecting,
     copy_partition,
@@ -261,6 +262,7 @@ class JoinPipeline:
         if self.sink is not None:
             self.sink.db.close()
         self.sink = JoinSink(self.joins, url, self.tables)
+        idle_poll(self.spark, self.settings.spark_joins_idle_poll_ms)
         return (
             raw.writeStream.foreachBatch(self.sink)
             .queryName(QUERY)

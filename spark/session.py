@@ -49,3 +49,10 @@ def session(settings: Settings, app_name: str) -> SparkSession:
     )
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def idle_poll(spark: SparkSession, ms: int) -> None:
+    """How long the next streaming query started waits, when it found no new records, before
+    asking Kafka again (Spark reads it when the query starts; its default, 10 ms, keeps an idle
+    query and the broker busy answering offset requests)."""
+    spark.conf.set("spark.sql.streaming.pollingDelay", f"{ms}ms")

@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     spark_shuffle_partitions: int = 2
     spark_driver_memory: str = "1g"
     spark_scratch_dir: str | None = None  # the projector's checkpoints; default /dev/shm
+    # How long an idle streaming query waits before asking Kafka again for new records: the
+    # event pipeline, and the joins (whose views already wait for CDC, so they poll less).
+    spark_idle_poll_ms: int = Field(default=100, ge=1, le=5000)
+    spark_joins_idle_poll_ms: int = Field(default=250, ge=1, le=5000)
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
 
