@@ -206,7 +206,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 "cdc": procs.cdc().pid,
             }
             api_proc, url = procs.api()
-            roots |= _infrastructure(stack) | {"api": api_proc.pid}
+            roots |= stack.infrastructure() | {"api": api_proc.pid}
             procs.wait_processing(url, 1)
             api = HttpApi(url, token())
             watcher = Watcher(url)
@@ -328,11 +328,6 @@ def _keep_logs_on_error(stack: Stack) -> None:
         print(f"logs kept in {stack.work}", file=sys.stderr)
 
 
-def _infrastructure(stack: Stack) -> dict[str, int]:
-    assert stack.kafka.proc is not None and stack.pg.proc is not None
-    return {"kafka": stack.kafka.proc.pid, "postgres": stack.pg.proc.pid}
-
-
 # -- fanout ---------------------------------------------------------------------------------
 
 
@@ -369,7 +364,7 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
             )
             connect_s = time.monotonic() - t
 
-            roots = _infrastructure(stack) | {"api": api_proc.pid, "cdc": cdc.pid}
+            roots = stack.infrastructure() | {"api": api_proc.pid, "cdc": cdc.pid}
             roots |= {f"clients{i}": f.pid for i, f in enumerate(fleets)}
             meter = CpuMeter(roots | {"bench": os.getpid()}, alone=("bench",))
             api_tree = tree(api_proc.pid)

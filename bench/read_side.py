@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -47,6 +48,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.procstat import CpuMeter
 from commands.messages import Position
 from events.book import BookAdded
 from events.customer import CustomerRegistered
@@ -88,6 +90,11 @@ class Stack:
         create_topics(settings)
         return settings
 
+    def infrastructure(self) -> dict[str, int]:
+        """The broker's and Postgres's process ids, for CPU meters."""
+        assert self.kafka.proc is not None and self.pg.proc is not None
+        return {"kafka": self.kafka.proc.pid, "postgres": self.pg.proc.pid}
+
     def __exit__(self, *exc: object) -> None:
         self.pg.stop()
         self.kafka.stop()
@@ -105,10 +112,14 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
         try:
             with psycopg.connect(settings.database()) as conn:
                 (spawned,) = conn.execute("SELECT now()").fetchone() or (None,)
-            procs.processor()
-            procs.projector()
-            procs.cdc()
-            _, url = procs.api()
+            roots = {
+                "processor": procs.processor().pid,
+                "projector": procs.projector().pid,
+                "cdc": procs.cdc().pid,
+            }
+            api_proc, url = procs.api()
+            roots |= stack.infrastructure() | {"api": api_proc.pid, "bench": os.getpid()}
+            meter = CpuMeter(roots, alone=("bench",))
             procs.wait_processing(url, 1)
             api = HttpApi(url, token())
             # As `make run` does before its banner: every projection and join warmed and started.
@@ -141,7 +152,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 levels = []
                 for rate in tqdm(args.rates, desc=view, unit="level"):
                     runs = [
-                        open_loop(settings, rate, args.duration, posting(api, command), sql)
+                        open_loop(settings, rate, args.duration, posting(api, command), sql, meter)
                         for _ in range(args.repeats)
                     ]
                     levels.append(
@@ -292,7 +303,12 @@ def visible(settings: Settings, key: str) -> bool:
 
 
 def open_loop(
-    settings: Settings, rate: float, duration: float, send: Any, sql: str
+    settings: Settings,
+    rate: float,
+    duration: float,
+    send: Any,
+    sql: str,
+    meter: CpuMeter | None = None,
 ) -> dict[str, Any]:
     """Call `send(i)` (-> key and when it was acked, or None on a failure) at `rate` for
     `duration` s; the latency of each key until `sql` (keys = ANY(%s)) finds it."""
@@ -317,6 +333,8 @@ def open_loop(
     watcher = threading.Thread(target=monitor)
     watcher.start()
     total, start = int(rate * duration), time.perf_counter() + 0.2
+    if meter:
+        meter.start()
 
     def one(i: int) -> None:
         nonlocal failed
@@ -335,7 +353,9 @@ def open_loop(
     done.set()
     watcher.join(timeout=300)
     give_up.set()  # what is still pending counts as not visible
+    cpu = meter.stop() if meter else {}
     return {
+        **({"cpu_pct": {k: round(v, 1) for k, v in cpu.items()}} if cpu else {}),
         "offered_per_s": rate,
         "sent": total,
         "failed": failed,
@@ -362,13 +382,7 @@ def idle(args: argparse.Namespace) -> dict[str, Any]:
             wait_until(lambda: included(settings, first.body["position"]), 180, "the projector")
             names = ["cdc", "processor", "projector", "api"]
             roots = dict(zip(names, (p.pid for p in procs.procs), strict=True))
-            roots.update(
-                {
-                    n: x.proc.pid
-                    for n, x in (("kafka", stack.kafka), ("postgres", stack.pg))
-                    if x.proc
-                }
-            )
+            roots.update(stack.infrastructure())
             # Left alone for a while first: the JVMs are still compiling what the start-up ran.
             for _ in tqdm(range(int(args.settle)), desc="settling", unit="s"):
                 time.sleep(1)
@@ -410,7 +424,9 @@ def write_log(settings: Settings, events: int, seed: int = 3) -> int:
         linger_ms=20,
         batch_size=512 * 1024,
     )
-    customers, books, written = [], [], 0
+    customers: list[str] = []
+    books: list[tuple[str, int, str]] = []
+    written = 0
     now = "2026-11-21T10:00:00Z"
 
     def send(agg: str, agg_id: str, version: int, event: Any) -> None:
