@@ -78,7 +78,9 @@ class Projector:
         joins: Sequence[Join] | None = None,
     ) -> None:
         self.settings = settings
-        self.spark = spark or session(settings, "logfold-projector")
+        self.spark = spark or session(
+            settings, "logfold-projector", settings.projector_java_options
+        )
         self.scratch = scratch_dir(settings)
         chosen = list(PROJECTIONS.values()) if projections is None else list(projections)
         joined = list(JOINS.values()) if joins is None else list(joins)

@@ -20,8 +20,9 @@ def kafka_jars(settings: Settings) -> list[str]:
     return sorted(str(p) for p in target.glob("*.jar"))
 
 
-def session(settings: Settings, app_name: str) -> SparkSession:
-    """A session on `LOGFOLD_SPARK_MASTER`; under `spark-submit`, its --master and --jars win."""
+def session(settings: Settings, app_name: str, java_options: str = "") -> SparkSession:
+    """A session on `LOGFOLD_SPARK_MASTER`; under `spark-submit`, its --master and --jars win
+    (and `java_options`, for the driver's JVM, apply only when this process starts it)."""
     # Python workers must run in this interpreter's environment (where pandas and Logfold are).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
@@ -31,6 +32,8 @@ def session(settings: Settings, app_name: str) -> SparkSession:
             .config("spark.jars", ",".join(kafka_jars(settings)))
             .config("spark.driver.memory", settings.spark_driver_memory)
         )
+        if java_options:
+            builder = builder.config("spark.driver.extraJavaOptions", java_options)
     spark = (
         builder.config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
         .config("spark.sql.session.timeZone", "UTC")

@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     # event pipeline, and the joins (whose views already wait for CDC, so they poll less).
     spark_idle_poll_ms: int = Field(default=100, ge=1, le=5000)
     spark_joins_idle_poll_ms: int = Field(default=250, ge=1, le=5000)
+    # The projector's JVM (with local Spark): its micro-batches are small and many, and the
+    # optimising JIT compiler (C2) spent a third of a core recompiling Spark's planner while
+    # they ran; the quick one alone halved a view's lag on 2 cores (docs/benchmarks.md).
+    projector_java_options: str = "-XX:TieredStopAtLevel=1"
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
 
