@@ -161,7 +161,8 @@ class JoinSink:
         self.db = Reconnecting(database_url)
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        recs = records(batch, self.tables).collect()
+        """`batch`: the changelog records of `records` (in the streaming plan, planned once)."""
+        recs = batch.collect()
         if not recs:
             return
         last: Offsets = {}
@@ -264,7 +265,8 @@ class JoinPipeline:
         self.sink = JoinSink(self.joins, url, self.tables)
         idle_poll(self.spark, self.settings.spark_joins_idle_poll_ms)
         return (
-            raw.writeStream.foreachBatch(self.sink)
+            records(raw, self.tables)
+            .writeStream.foreachBatch(self.sink)
             .queryName(QUERY)
             # A fresh checkpoint per start, or Spark would resume from its own offsets.
             .option("checkpointLocation", tempfile.mkdtemp(dir=self.scratch))
