@@ -94,7 +94,12 @@ def every_event(parsed: DataFrame) -> DataFrame:
     """Parsed records (`parse_events`) → one row per record: the columns of `events_of`, plus
     `current` and the record's `value`. The envelope fields of a record that is not current
     are only what Spark's reader made of it: `upcast` gives the real ones."""
-    return parsed.select(
+    return _flat(parsed)
+
+
+def _flat(records: DataFrame) -> DataFrame:
+    """Records with their envelope as a struct `e` → the columns of `every_event`."""
+    return records.select(
         "topic",
         "partition",
         "offset",
@@ -111,15 +116,7 @@ def upcast(events: DataFrame) -> DataFrame:
     old = events.where(~F.col("current")).select(
         "topic", "partition", "offset", "timestamp", "current", "value", _upcast("value").alias("e")
     )
-    return old.select(
-        "topic",
-        "partition",
-        "offset",
-        "timestamp",
-        "current",
-        "value",
-        *(F.col(f"e.{f.name}").alias(f.name) for f in ENVELOPE),
-    ).withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
+    return _flat(old)
 
 
 def events_of(parsed: DataFrame, upcast: bool = True) -> DataFrame:
