@@ -3,6 +3,7 @@
     .venv/bin/python bench/read_side.py freshness --rates 10 50 200 --duration 20 --repeats 3
     .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
     .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
+    .venv/bin/python bench/read_side.py batch --events 200000 --repeats 5
 
 freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka and Postgres.
 Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
@@ -23,6 +24,12 @@ rebuild: writes N events of a realistic bookshop mix straight into the event top
 the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
 run, the bare rate of reading the same records from Kafka with Spark (no decoding) and of
 COPYing rows of the views' width into Postgres, as ceilings.
+
+batch: what one micro-batch of the event pipeline costs in Spark (the job that turns a batch
+of records into every view's rows, as the live projector runs it), for a small batch (a few
+records, as at tens of commands/s) and for a whole log read at once (as after downtime), with
+Spark's generated code (whole-stage and expression codegen) and with interpreted expressions,
+side by side in one session.
 """
 
 from __future__ import annotations
@@ -506,6 +513,57 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
         return {**results, "medians": medians}
 
 
+def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
+    from projections.registry import PROJECTIONS
+    from spark.decode import every_event, kafka_options, parse_events
+    from spark.event_pipeline import EventSink
+    from spark.session import codegen, session
+
+    with Stack() as settings:
+        written = write_log(settings, args.events)
+        spark = session(settings, "logfold-bench")
+        sink = EventSink(list(PROJECTIONS.values()), settings)
+        topics = [Topics(settings.topic_prefix).events(a) for a in ("customer", "book", "order")]
+
+        def batch(first: int | None) -> Any:
+            """Records 0..first of partition 0 of every topic, or the whole log."""
+            span = {t: {"0": 0} for t in topics}
+            end = {t: {"0": first} for t in topics}
+            reader = spark.read.format("kafka").options(**kafka_options(settings.kafka()))
+            if first is None:
+                reader = reader.option("subscribe", ",".join(topics))
+                reader = reader.option("startingOffsets", "earliest")
+            else:
+                reader = reader.option("assign", json.dumps({t: [0] for t in topics}))
+                reader = reader.option("startingOffsets", json.dumps(span))
+                reader = reader.option("endingOffsets", json.dumps(end))
+            return every_event(parse_events(reader.load()))
+
+        def seconds(frame: Any) -> float:
+            t = time.perf_counter()
+            rows, errors = sink._collect(frame, sink.projections)
+            assert rows and not errors, errors
+            return time.perf_counter() - t
+
+        results: dict[str, Any] = {"benchmark": "batch", "events_in_log": written}
+        sizes = {"small": (batch(2), args.repeats * 6), "whole_log": (batch(None), args.repeats)}
+        # Each mode twice, alternating; the first round of each warms the JVM and is not counted.
+        for counted, generated in ((False, True), (False, False), (True, True), (True, False)):
+            codegen(spark, generated)
+            mode = "codegen" if generated else "interpreted"
+            for size, (frame, n) in sizes.items():
+                taken = [round(seconds(frame) * 1e3, 1) for _ in range(n)]
+                if counted:
+                    results[f"{size}_{mode}_ms"] = taken
+        medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+        for size in sizes:
+            medians[f"{size}_interpreted_over_codegen"] = (
+                medians[f"{size}_interpreted_ms"] / medians[f"{size}_codegen_ms"]
+            )
+        spark.stop()
+        return {**results, "medians": medians}
+
+
 def copy_rate(settings: Settings, rows: int) -> float:
     """Rows/s of COPY into a table as wide as `orders`."""
     with psycopg.connect(settings.database()) as conn:
@@ -548,6 +606,9 @@ def main() -> None:
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
     r.add_argument("--repeats", type=int, default=3)
+    b = sub.add_parser("batch", help="Spark's cost of one event-pipeline batch, small and large")
+    b.add_argument("--events", type=int, default=200_000)
+    b.add_argument("--repeats", type=int, default=5)
     i = sub.add_parser("idle", help="CPU of the whole stack left alone")
     i.add_argument("--duration", type=float, default=60)
     i.add_argument("--settle", type=float, default=60, help="seconds left alone before measuring")
@@ -561,8 +622,8 @@ def main() -> None:
             help="a setting for the stack's processes, e.g. LOGFOLD_SPARK_IDLE_POLL_MS=50",
         )
     args = parser.parse_args()
-    run = {"freshness": freshness, "rebuild": rebuild, "idle": idle}[args.which]
-    result = run(args)
+    runs = {"freshness": freshness, "rebuild": rebuild, "idle": idle, "batch": batch_cost}
+    result = runs[args.which](args)
     print(json.dumps(result, indent=2, default=str))
 
 

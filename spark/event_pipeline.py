@@ -42,7 +42,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from events.catalog import EVENTS_BY_AGGREGATE
 from projections.base import Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, upcast
-from spark.session import idle_poll
+from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
     Reconnecting,
     ensure_progress,
@@ -133,6 +133,8 @@ class EventSink:
         }
         self.failed: dict[str, str] = {}
         self.timings: dict[str, float] = {}  # of the last batch, by stage
+        self.codegen = BatchCodegen()
+        self.last_batch = 0  # records
         self.db = Reconnecting(settings.database())
 
     @property
@@ -141,7 +143,9 @@ class EventSink:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
+        self.codegen.fit(batch.sparkSession, self.last_batch)
         rows, errors = self._collect(batch, self.active)
+        self.last_batch = len(rows)
         if not rows:
             return
         if any(not r[3] for r in rows):
@@ -318,6 +322,7 @@ class EventPipeline:
         if self.sink is not None:
             self.sink.db.close()
         self.sink = EventSink(self.projections, self.settings)
+        codegen(self.spark, False)  # the query starts on small batches (see BatchCodegen)
         self.sink.warm(self.spark)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             for name in names:

@@ -37,7 +37,7 @@ from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
 from spark.rebuild import SHADOW, Report, differences
-from spark.session import idle_poll
+from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
     Reconnecting,
     copy_partition,
@@ -159,10 +159,14 @@ class JoinSink:
         self.joins, self.database_url, self.tables = list(joins), database_url, tables
         self.failed: set[str] = set()
         self.db = Reconnecting(database_url)
+        self.codegen = BatchCodegen()
+        self.last_batch = 0  # records
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         """`batch`: the changelog records of `records` (in the streaming plan, planned once)."""
+        self.codegen.fit(batch.sparkSession, self.last_batch)
         recs = batch.collect()
+        self.last_batch = len(recs)
         if not recs:
             return
         last: Offsets = {}
@@ -264,6 +268,7 @@ class JoinPipeline:
             self.sink.db.close()
         self.sink = JoinSink(self.joins, url, self.tables)
         idle_poll(self.spark, self.settings.spark_joins_idle_poll_ms)
+        codegen(self.spark, False)  # the query starts on small batches (see BatchCodegen)
         return (
             records(raw, self.tables)
             .writeStream.foreachBatch(self.sink)
