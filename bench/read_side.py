@@ -29,7 +29,8 @@ batch: what one micro-batch of the event pipeline costs in Spark (the job that t
 of records into every view's rows, as the live projector runs it), for a small batch (a few
 records, as at tens of commands/s) and for a whole log read at once (as after downtime), with
 Spark's generated code (whole-stage and expression codegen) and with interpreted expressions,
-side by side in one session.
+side by side in one session; and the Kafka source alone reading one record from each of 12
+partitions, by the consumer's fetch.max.wait.ms.
 """
 
 from __future__ import annotations
@@ -555,6 +556,28 @@ def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
                 taken = [round(seconds(frame) * 1e3, 1) for _ in range(n)]
                 if counted:
                     results[f"{size}_{mode}_ms"] = taken
+        # The Kafka source alone: one record from each of 12 partitions, by fetch.max.wait.ms.
+        for wait in (10, 0, 10, 0):
+            options = {**kafka_options(settings.kafka()), "kafka.fetch.max.wait.ms": str(wait)}
+            parts = list(range(settings.partitions))
+            reader = (
+                spark.read.format("kafka")
+                .options(**options)
+                .option("assign", json.dumps(dict.fromkeys(topics, parts)))
+                .option(
+                    "startingOffsets", json.dumps({t: {str(p): 0 for p in parts} for t in topics})
+                )
+                .option(
+                    "endingOffsets", json.dumps({t: {str(p): 1 for p in parts} for t in topics})
+                )
+            )
+            raw = reader.load()
+            taken = []
+            for _ in range(args.repeats * 6):
+                t = time.perf_counter()
+                raw.collect()
+                taken.append(round((time.perf_counter() - t) * 1e3, 1))
+            results[f"read_{len(topics) * len(parts)}_partitions_wait_{wait}_ms"] = taken
         medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
         for size in sizes:
             medians[f"{size}_interpreted_over_codegen"] = (

@@ -65,11 +65,10 @@ POSITION = ("topic", "partition", "offset", "current")  # the first columns of a
 
 
 def rows_json(output: Output) -> Column:
-    """The rows one event adds to `output`, as a JSON array; null when it adds none."""
-    rows = output.rows()
-    return F.when(
-        F.col("current") & (F.size(rows) > 0), F.to_json(rows, {"timestampFormat": WIRE_TIME})
-    )
+    """The rows one event adds to `output`, as a JSON array (`[]` for none); null for an event
+    at an older schema version (`_upcast` replaces those). `output.rows()` appears once: Spark
+    analyses and optimises these expressions every batch, at a cost that grows with their size."""
+    return F.when(F.col("current"), F.to_json(output.rows(), {"timestampFormat": WIRE_TIME}))
 
 
 @dataclass
@@ -256,7 +255,7 @@ class EventSink:
             count += 1
             last[key] = max(last.get(key, -1), row[2])
             for i, o in enumerate(p.outputs):
-                if (value := row[first + i]) is not None:
+                if (value := row[first + i]) is not None and value != "[]":
                     found[o.name].append(value)
         if not count:
             return None
