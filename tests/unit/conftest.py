@@ -102,13 +102,13 @@ def refs() -> FakeReferences:
 
 @pytest.fixture(scope="module")  # stopped after each module: integration tests need their own
 def spark() -> Iterator[SparkSession]:
-    session = (
-        SparkSession.builder.master("local[1]")
-        .appName("logfold-unit")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "1")
-        .getOrCreate()
-    )
+    """Logfold's own session (`spark.session.session`), on one core. Made the same way as the
+    integration tests' sessions: the first session of a test run starts the JVM, and only jars
+    given then (the Kafka connector) can be found by the sessions that follow."""
+    from spark.session import session as logfold_session
+    from stack.settings import Settings
+
+    settings = Settings(spark_master="local[1]", spark_shuffle_partitions=1)
+    session = logfold_session(settings, "logfold-unit")
     yield session
     session.stop()
