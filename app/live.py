@@ -186,7 +186,10 @@ class Hub:
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
             group_id=None,
-            fetch_max_wait_ms=50,
+            # How long the broker holds a fetch when there is nothing new: a change that
+            # arrives meanwhile is answered at once, so this only sets how often an idle hub
+            # asks (as often as it polls).
+            fetch_max_wait_ms=200,
             max_poll_records=500,  # smaller bursts into the outboxes
         )
         try:

@@ -90,7 +90,7 @@ class Tap:
             bootstrap_servers=settings.kafka(),
             enable_auto_commit=False,
             group_id=None,
-            fetch_max_wait_ms=50,  # as the websocket hub's consumer
+            fetch_max_wait_ms=200,  # as the websocket hub's consumer
         )
         tp = TopicPartition(Topics(settings.topic_prefix).cdc(table), 0)
         self.consumer.assign([tp])
