@@ -40,7 +40,7 @@ from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
     Reconnecting,
-    copy_partition,
+    bulk_load,
     copy_rows,
     ensure_progress,
     last_offsets,
@@ -343,9 +343,8 @@ class JoinRebuild:
     def _load(self, join: Join, recs: DataFrame, view: str, state: str) -> None:
         """COPY the state folded from `recs` and the joined rows into the shadow tables."""
         changes = side_changes(join, latest(recs))
-        changes.foreachPartition(copy_partition(self.url, state, CHANGE_COLUMNS))
-        rows = joined_rows(join, recs)
-        rows.foreachPartition(copy_partition(self.url, view, join.columns))
+        bulk_load(self.url, changes, state, CHANGE_COLUMNS)
+        bulk_load(self.url, joined_rows(join, recs), view, join.columns)
 
     def _replace_state(self, conn: psycopg.Connection[Any], join: Join, shadow: str) -> None:
         """The join's state := the shadow's. Deleted keys whose tombstones compaction has

@@ -30,12 +30,11 @@ from projections.base import Output, Projection
 from spark.decode import decode_events, events_of, offsets_json, parse_events, read_batch
 from spark.sink import (
     apply_events,
-    copy_partition,
+    bulk_load,
     last_offsets,
     lock_progress,
     read_progress,
     replace_contents,
-    wire_rows,
 )
 from stack.settings import Settings
 from stack.topics import Topics
@@ -144,12 +143,10 @@ class Rebuild:
                     )
 
     def _bulk_load(self, output: Output, events: DataFrame, bar: tqdm, share: float) -> None:
-        rows = wire_rows(output.transform(events))
-        load = copy_partition(self.url, output.name + SHADOW, output.columns)
         watcher = _TaskProgress(self.spark, bar, share)
         watcher.start()
         try:
-            rows.foreachPartition(load)
+            bulk_load(self.url, output.transform(events), output.name + SHADOW, output.columns)
         finally:
             watcher.stop()
 
