@@ -516,7 +516,7 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
 
 def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
     from projections.registry import PROJECTIONS
-    from spark.decode import every_event, kafka_options, parse_events
+    from spark.decode import every_event, kafka_options, parse_events, read_batch
     from spark.event_pipeline import EventSink
     from spark.session import codegen, session
 
@@ -526,19 +526,31 @@ def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
         sink = EventSink(list(PROJECTIONS.values()), settings)
         topics = [Topics(settings.topic_prefix).events(a) for a in ("customer", "book", "order")]
 
+        def assigned(options: dict[str, str], parts: list[int], end: int) -> Any:
+            """Records 0..end of partitions `parts` of every topic."""
+            return (
+                spark.read.format("kafka")
+                .options(**options)
+                .option("assign", json.dumps(dict.fromkeys(topics, parts)))
+                .option(
+                    "startingOffsets",
+                    json.dumps({t: dict.fromkeys(map(str, parts), 0) for t in topics}),
+                )
+                .option(
+                    "endingOffsets",
+                    json.dumps({t: dict.fromkeys(map(str, parts), end) for t in topics}),
+                )
+                .load()
+            )
+
         def batch(first: int | None) -> Any:
             """Records 0..first of partition 0 of every topic, or the whole log."""
-            span = {t: {"0": 0} for t in topics}
-            end = {t: {"0": first} for t in topics}
-            reader = spark.read.format("kafka").options(**kafka_options(settings.kafka()))
-            if first is None:
-                reader = reader.option("subscribe", ",".join(topics))
-                reader = reader.option("startingOffsets", "earliest")
-            else:
-                reader = reader.option("assign", json.dumps({t: [0] for t in topics}))
-                reader = reader.option("startingOffsets", json.dumps(span))
-                reader = reader.option("endingOffsets", json.dumps(end))
-            return every_event(parse_events(reader.load()))
+            if first is not None:
+                return every_event(
+                    parse_events(assigned(kafka_options(settings.kafka()), [0], first))
+                )
+            whole = read_batch(spark, settings.kafka(), topics, "earliest", "latest")
+            return every_event(parse_events(whole))
 
         def seconds(frame: Any) -> float:
             t = time.perf_counter()
@@ -557,21 +569,10 @@ def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
                 if counted:
                     results[f"{size}_{mode}_ms"] = taken
         # The Kafka source alone: one record from each of 12 partitions, by fetch.max.wait.ms.
+        parts = list(range(settings.partitions))
         for wait in (10, 0, 10, 0):
             options = {**kafka_options(settings.kafka()), "kafka.fetch.max.wait.ms": str(wait)}
-            parts = list(range(settings.partitions))
-            reader = (
-                spark.read.format("kafka")
-                .options(**options)
-                .option("assign", json.dumps(dict.fromkeys(topics, parts)))
-                .option(
-                    "startingOffsets", json.dumps({t: {str(p): 0 for p in parts} for t in topics})
-                )
-                .option(
-                    "endingOffsets", json.dumps({t: {str(p): 1 for p in parts} for t in topics})
-                )
-            )
-            raw = reader.load()
+            raw = assigned(options, parts, 1)
             taken = []
             for _ in range(args.repeats * 6):
                 t = time.perf_counter()

@@ -154,7 +154,7 @@ def kafka_options(bootstrap: str) -> dict[str, str]:
         # transaction marker finds no record and waits this long (the consumer's default is
         # 500 ms) inside every micro-batch, once per partition read. Idle queries wait on
         # their polling delay, not on fetches. (`bench/read_side.py batch`: 12 partitions of
-        # one record each read in 72 ms with 0, 113 ms with 10.)
+        # one record each read in 74 ms with 0, 108 ms with 10.)
         "kafka.fetch.max.wait.ms": "0",
     }
 
