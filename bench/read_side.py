@@ -78,7 +78,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Stack:
-    def __init__(self) -> None:
+    def __init__(self, partitions: int = 4) -> None:
+        self.partitions = partitions
         self.work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
         self.work.chmod(0o755)
         self.kafka = LocalKafka(Path(".stack/lib"), self.work / "kafka", free_port(), free_port())
@@ -93,7 +94,7 @@ class Stack:
             database_url=self.pg.url,
             jwt_secret=SECRET,
             topic_prefix="bench.",
-            partitions=4,
+            partitions=self.partitions,
         )
         create_topics(settings)
         return settings
@@ -109,7 +110,7 @@ class Stack:
 
 
 def freshness(args: argparse.Namespace) -> dict[str, Any]:
-    stack = Stack()
+    stack = Stack(args.partitions)
     with stack as settings:
         ceiling = [
             {"offered_per_s": rate, **trivial_query(settings, rate, args.duration, args.repeats)}
@@ -627,6 +628,9 @@ def main() -> None:
     )
     f.add_argument("--duration", type=float, default=20)
     f.add_argument("--repeats", type=int, default=3)
+    f.add_argument(
+        "--partitions", type=int, default=4, help="partitions per topic (`LOGFOLD_PARTITIONS`)"
+    )
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
     r.add_argument("--repeats", type=int, default=3)
