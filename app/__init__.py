@@ -1,6 +1,7 @@
 """The Flask application: REST routes, auth, error mapping, OpenAPI.
 
-`create_app(settings)` is the one place the API is wired; tests pass their own collaborators."""
+`create_app(settings)` is the one place the API is wired; tests pass their own collaborators.
+`close_app(app)` stops what it started (Kafka clients, the websocket hub, the health checks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 from flask import Flask
 
 from app import commands_api, errors, live_page, ops, views_api, ws_api
-from app.health import HealthChecks
+from app.auth import check_secret
+from app.health import HealthChecks, HealthMonitor
 from app.live import Hub
 from app.metrics import Metrics
 from app.openapi import build_spec
@@ -21,8 +23,7 @@ from stack.topics import Topics
 
 
 def create_app(settings: Settings, **overrides: Any) -> Flask:
-    if not settings.jwt_secret:
-        raise RuntimeError("LOGFOLD_JWT_SECRET is not set; the API cannot verify tokens")
+    check_secret(settings.jwt_secret)  # anyone who knows the secret can mint an admin token
     app = Flask("logfold")
     app.config.update(
         JWT_SECRET=settings.jwt_secret,
@@ -34,7 +35,11 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.extensions["logfold.bus"] = overrides.get("bus") or CommandBus(settings)
     read_model = overrides.get("read_model") or ReadModel(settings)
     app.extensions["logfold.read_model"] = read_model
-    app.extensions["logfold.health"] = overrides.get("health") or HealthChecks(settings, read_model)
+    app.extensions["logfold.health"] = overrides.get("health") or HealthMonitor(
+        HealthChecks(settings, read_model, timeout=settings.health_timeout_s),
+        interval=settings.health_interval_s,
+        failures=settings.health_failures,
+    )
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
     topics = Topics(settings.topic_prefix)
@@ -42,6 +47,9 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
         settings.kafka(), {t: topics.cdc(t) for t in CAPTURED}, settings.ws_replay
     )
     app.config["SOCK_SERVER_OPTIONS"] = {"max_message_size": settings.ws_max_message_bytes}
+    app.extensions["logfold.ws_admission"] = ws_api.Admission(
+        settings.ws_max_open, settings.ws_max_per_subject
+    )
     errors.register(app)
     app.register_blueprint(ops.bp)
     app.register_blueprint(commands_api.bp)
@@ -49,3 +57,9 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.register_blueprint(ws_api.bp)
     app.register_blueprint(live_page.bp)
     return app
+
+
+def close_app(app: Flask) -> None:
+    app.extensions["logfold.health"].stop()
+    app.extensions["logfold.hub"].stop()
+    app.extensions["logfold.bus"].close()

@@ -14,6 +14,32 @@ from app.errors import ApiError
 
 SCOPES = ("commands:write", "views:read", "admin")
 ISSUER = "logfold"
+MIN_SECRET_BYTES = 32  # HS256 keys shorter than the hash (RFC 7518 3.2) are guessable
+# Values people copy from examples; a secret containing one is somebody else's secret.
+PLACEHOLDERS = ("changeme", "replaceme", "yoursecret", "secretkey", "example", "placeholder")
+HOW = "e.g. `openssl rand -base64 48`"
+
+
+class WeakSecret(ValueError):
+    pass
+
+
+def check_secret(secret: str | None) -> str:
+    """`secret` if it can sign tokens; raises WeakSecret saying what to do otherwise."""
+    if not secret:
+        raise WeakSecret(f"LOGFOLD_JWT_SECRET is not set; set it to a random secret ({HOW})")
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise WeakSecret(
+            f"LOGFOLD_JWT_SECRET has {len(secret.encode())} bytes; it needs at least "
+            f"{MIN_SECRET_BYTES} ({HOW})"
+        )
+    letters = "".join(c for c in secret.lower() if c.isalnum())
+    if any(word in letters for word in PLACEHOLDERS) or len(set(secret)) < 8:
+        raise WeakSecret(
+            f"LOGFOLD_JWT_SECRET is a placeholder, not a secret; use a random one ({HOW})"
+        )
+    return secret
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,6 +82,22 @@ def bearer_token() -> str | None:
     return token.strip()
 
 
+def scopes(claims: dict[str, Any]) -> set[str]:
+    return set(str(claims.get("scope", "")).split())
+
+
+def has_scope(scope: str) -> bool:
+    """Whether the request carries a valid token with `scope`, for endpoints open to all that
+    show more to some (no token, or a bad one, is simply `False`)."""
+    token = bearer_token()
+    if token is None:
+        return False
+    try:
+        return scope in scopes(verify(token, current_app.config["JWT_SECRET"]))
+    except ApiError:
+        return False
+
+
 def require(scope: str) -> Callable[[F], F]:
     """Route decorator: 401 without a valid token, 403 when it lacks `scope`."""
 
@@ -71,8 +113,7 @@ def require(scope: str) -> Callable[[F], F]:
                     headers={"WWW-Authenticate": 'Bearer realm="logfold"'},
                 )
             claims = verify(token, current_app.config["JWT_SECRET"])
-            granted = set(str(claims.get("scope", "")).split())
-            if scope not in granted:
+            if scope not in scopes(claims):
                 raise ApiError(403, "forbidden", f"this endpoint needs the {scope!r} scope")
             g.subject = str(claims["sub"])
             return view(*args, **kwargs)

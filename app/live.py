@@ -12,9 +12,10 @@ to the subscriptions it concerns. Every change carries its position in the WAL, 
 - a resent change (CDC restarted) is at or below the table's last position and is dropped.
 
 Each client has a bounded outbox that the hub appends to without ever blocking; the client's own
-thread drains it into the socket. A client whose outbox passes half its size gets `lagging`; one
-that fills it is closed with code 4008 and its outbox is dropped, so one slow reader costs the
-others nothing and memory stays bounded.
+thread drains it into the socket. It is bounded in messages and in bytes (a change weighs its
+changelog record, a snapshot its rows). A client whose outbox passes half of either bound gets
+`lagging`; one that fills it is closed with code 4008 and its outbox is dropped, so one slow
+reader costs the others nothing and memory stays bounded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from cdc.changes import Change, Position, from_record
 log = logging.getLogger(__name__)
 
 SLOW_CLOSE = 4008
+SMALL_MESSAGE_BYTES = 128  # what a message without rows counts for in the outbox's byte bound
 FLOOR = Position(0, 0)
 UNKNOWN = Position(2**63, 0)  # above every position: nothing can be served yet
 
@@ -74,9 +76,11 @@ class Subscription:
 class Client:
     """One websocket connection's side of the hub: a bounded outbox and its close state."""
 
-    def __init__(self, buffer: int) -> None:
-        self.buffer = buffer
+    def __init__(self, buffer: int, buffer_bytes: int = 16 * 1024 * 1024) -> None:
+        self.buffer, self.buffer_bytes = buffer, buffer_bytes
         self.outbox: deque[dict[str, Any]] = deque()
+        self.weights: deque[int] = deque()  # bytes of each queued message, roughly
+        self.queued_bytes = 0
         self.cond = threading.Condition()
         self.close_code: int | None = None
         self.close_reason = ""
@@ -85,18 +89,29 @@ class Client:
         self.peak = 0
         self.subscriptions: dict[str, Subscription] = {}
 
-    def offer(self, message: dict[str, Any], sub_id: str | None = None) -> bool:
-        """Queue a message without blocking; False once the client is being closed."""
+    def offer(self, message: dict[str, Any], sub_id: str | None = None, weight: int = 0) -> bool:
+        """Queue a message without blocking; False once the client is being closed. The outbox
+        is bounded in messages and in bytes (`weight`: what the message weighs, e.g. a
+        snapshot's rows; small messages count as SMALL_MESSAGE_BYTES)."""
+        weight = max(weight, SMALL_MESSAGE_BYTES)
         with self.cond:
             if self.close_code is not None:
                 return False
-            if len(self.outbox) >= self.buffer:
+            full = len(self.outbox) >= self.buffer
+            if full or self.queued_bytes + weight > self.buffer_bytes:
                 self._close(SLOW_CLOSE, "too far behind: read faster, then resume with `since`")
                 return False
             self.outbox.append(message)
-            if not self.warned and len(self.outbox) >= self.buffer // 2:
+            self.weights.append(weight)
+            self.queued_bytes += weight
+            half = (
+                len(self.outbox) >= self.buffer // 2 or self.queued_bytes >= self.buffer_bytes // 2
+            )
+            if not self.warned and half:
                 self.warned = True
                 self.outbox.append({"type": "lagging", "id": sub_id, "behind": len(self.outbox)})
+                self.weights.append(SMALL_MESSAGE_BYTES)
+                self.queued_bytes += SMALL_MESSAGE_BYTES
             self.peak = max(self.peak, len(self.outbox))
             self.cond.notify()
             return True
@@ -112,6 +127,8 @@ class Client:
         # What it could not read is dropped (it resumes with `since`), but not the warning.
         warnings = [m for m in self.outbox if m["type"] == "lagging"]
         self.outbox = deque(warnings[:1])
+        self.weights = deque([SMALL_MESSAGE_BYTES] * len(self.outbox))
+        self.queued_bytes = sum(self.weights)
         self.cond.notify()
 
     def take(self, timeout: float) -> list[dict[str, Any]] | None:
@@ -124,6 +141,8 @@ class Client:
                 return None
             taken = list(self.outbox)
             self.outbox.clear()
+            self.weights.clear()
+            self.queued_bytes = 0
             self.warned = False  # caught up: falling behind again earns a new warning
             return taken
 
@@ -241,7 +260,7 @@ class Hub:
                     if change.position <= sub.after:
                         continue  # already in its snapshot
                     message = sub.message_for(change)
-                    if message is not None and sub.client.offer(message, sub.id):
+                    if message is not None and sub.client.offer(message, sub.id, change.size):
                         sub.after = change.position
                         self.delivered += 1
                     elif sub.client.close_code is not None:
@@ -278,7 +297,11 @@ class Hub:
                 t.subscriptions -= set(client.subscriptions.values())
 
     def subscribe(
-        self, sub: Subscription, after: Position, first: dict[str, Any] | None = None
+        self,
+        sub: Subscription,
+        after: Position,
+        first: dict[str, Any] | None = None,
+        first_weight: int = 0,
     ) -> None:
         """Start streaming the changes after `after` to `sub`, atomically with queueing `first`
         (its snapshot) and the changes after `after` the hub already has. Raises Unservable
@@ -289,11 +312,11 @@ class Hub:
                 raise Unservable(sub.table)
             sub.after = after
             if first is not None:
-                sub.client.offer(first, sub.id)
+                sub.client.offer(first, sub.id, first_weight)
             for change in t.ring:
                 if change.position > after:
                     message = sub.message_for(change)
-                    if message is not None and sub.client.offer(message, sub.id):
+                    if message is not None and sub.client.offer(message, sub.id, change.size):
                         sub.after = change.position
             t.subscriptions.add(sub)
 

@@ -49,6 +49,13 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.lost = Gauge(
+            "logfold_lost_offsets",
+            "Log offsets removed from Kafka before the projection applied them",
+            ["component"],
+            registry=self.registry,
+        )
+
         self.failed = Gauge(
             "logfold_component_failed",
             "1 while the projection or join is stopped by an error (see /health for it)",
@@ -67,6 +74,8 @@ class Metrics:
                 self.lag_seconds.labels(name).set(status["lag_seconds"])
             if "late_events" in status:
                 self.late_events.labels(name).set(status["late_events"])
+            if "lost_offsets" in status:
+                self.lost.labels(name).set(status["lost_offsets"])
 
     def count(self, command: str, status: int) -> None:
         self.commands.labels(command, str(status)).inc()

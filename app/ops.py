@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, send_from_directory
 from swagger_ui_bundle import swagger_ui_path
 
-from app.auth import require
+from app.auth import has_scope, require
+from app.health import public
 
 bp = Blueprint("ops", __name__)
 
@@ -20,24 +22,46 @@ DOCS_PAGE = """<!doctype html>
 </body></html>"""
 
 
+# A process that has just started answers /health once its first round of checks is in, or
+# after this long (then its components read "not checked yet").
+FIRST_ROUND_WAIT_S = 10.0
+
+
 @bp.get("/health")
 def health() -> Response:
-    components = current_app.extensions["logfold.health"].run()
+    """Readiness: the background checks' last results; no check runs for the request."""
+    components = _components()
     metrics = current_app.extensions["logfold.metrics"]
     metrics.record_health(components)
     up = all(c["status"] == "up" for c in components.values())
-    response = jsonify({"status": "up" if up else "down", "components": components})
+    shown = components if has_scope("admin") else public(components)
+    response = jsonify({"status": "up" if up else "down", "components": shown})
     response.status_code = 200 if up else 503
     if not up:
         response.headers["Retry-After"] = str(current_app.config["RETRY_AFTER_S"])
     return response
 
 
+def _components() -> dict[str, Any]:
+    monitor = current_app.extensions["logfold.health"]
+    monitor.start()  # at the first request that asks; then it runs on its own
+    components: dict[str, Any] = monitor.snapshot(wait=FIRST_ROUND_WAIT_S)
+    return components
+
+
+@bp.get("/health/live")
+def live() -> Response:
+    """Liveness: the process serves requests. Dependencies are readiness's business."""
+    return jsonify({"status": "up"})
+
+
 @bp.get("/metrics")
 @require("admin")
 def metrics() -> Response:
     metrics = current_app.extensions["logfold.metrics"]
-    metrics.record_health(current_app.extensions["logfold.health"].run())
+    metrics.record_health(
+        current_app.extensions["logfold.health"].snapshot(wait=FIRST_ROUND_WAIT_S)
+    )
     body = metrics.render()
     return Response(body, mimetype="text/plain; version=0.0.4")
 

@@ -230,7 +230,8 @@ class ReadModel:
 
     def lag(self) -> dict[str, dict[str, Any]]:
         """Per fold (projection or join): records not yet applied (see `Fold.behind`), seconds
-        behind, late events seen, generation, and its failure if it failed."""
+        behind, late events seen, generation, offsets removed from the log before it applied
+        them (and the last such ranges), and its failure if it failed."""
         ends, progress = self.end_offsets(), self.progress()
         now = datetime.now(UTC)
         out = {}
@@ -245,7 +246,10 @@ class ReadModel:
                 "seconds": round(seconds, 3),
                 "late_events": int(p.get("late_events", 0)),
                 "generation": int(p.get("generation", 0)),
+                "lost_offsets": int(p.get("lost_offsets") or 0),
             }
+            if p.get("data_loss"):
+                out[name]["data_loss"] = p["data_loss"]
             if p.get("error"):
                 out[name]["failed"] = {
                     "error": p["error"],

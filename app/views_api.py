@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
+from kafka.errors import KafkaError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
@@ -72,15 +73,19 @@ def _consistent(projection: Fold) -> None:
         )
 
 
-def _database_errors(fn: Any) -> Any:
+def _unavailable(fn: Any) -> Any:
+    """503 with Retry-After when Postgres (the rows) or Kafka (the lag, `consistent_with`'s
+    end offsets) does not answer: a dependency is down, the request was fine."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (OperationalError, PoolTimeout) as e:
+        except (OperationalError, PoolTimeout, KafkaError) as e:
+            which = "Kafka" if isinstance(e, KafkaError) else "Postgres"
             raise ApiError(
                 503,
                 "unavailable",
-                "Postgres is unavailable; try again",
+                f"{which} is unavailable; try again",
                 headers={"Retry-After": str(current_app.config["RETRY_AFTER_S"])},
             ) from e
 
@@ -90,7 +95,7 @@ def _database_errors(fn: Any) -> Any:
 
 @bp.get("/views")
 @require("views:read")
-@_database_errors
+@_unavailable
 def list_views() -> Response:
     lag = _model().lag()
     return jsonify(
@@ -112,7 +117,7 @@ def list_views() -> Response:
 
 @bp.get("/views/<view>")
 @require("views:read")
-@_database_errors
+@_unavailable
 def list_rows(view: str) -> Response:
     projection, output = _view(view)
     reserved = {"limit", "cursor", "consistent_with", "wait"}
@@ -139,7 +144,7 @@ def list_rows(view: str) -> Response:
 
 @bp.get("/views/<view>/<path:key>")
 @require("views:read")
-@_database_errors
+@_unavailable
 def get_row(view: str, key: str) -> Response:
     projection, output = _view(view)
     parts = key.split(",") if len(output.key) > 1 else [key]

@@ -11,16 +11,17 @@ import json
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
-from flask import Blueprint, current_app, request
+from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app.auth import verify
+from app.auth import scopes, verify
 from app.errors import ApiError
 from app.live import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, ReadModel
@@ -35,8 +36,8 @@ log = logging.getLogger(__name__)
 bp = Blueprint("live", __name__)
 sock = Sock()
 
-UNAUTHORIZED, FORBIDDEN = 4401, 4403
-AUTH_WAIT_S, HUB_WAIT_S = 10.0, 15.0
+UNAUTHORIZED, FORBIDDEN, TOO_MANY_FOR_SUBJECT = 4401, 4403, 4429
+HUB_WAIT_S = 15.0
 DEFAULT_WAIT_S, MAX_WAIT_S = 5.0, 30.0  # as REST's ?wait=
 
 Scalar = str | int | float | bool | None
@@ -66,26 +67,116 @@ class Problem(Exception):
         self.code, self.message, self.sub_id, self.details = code, message, sub_id, details
 
 
+class Admission:
+    """How many websockets this API process holds, in all and per token subject. Each holds a
+    server thread for its whole life, so they may take at most `max_open` of them: the rest
+    (`LOGFOLD_API_RESERVED_THREADS`) always serve REST. A socket counts from its handshake,
+    authenticated or not (the unauthenticated ones have a short deadline)."""
+
+    def __init__(self, max_open: int, max_per_subject: int) -> None:
+        self.max_open, self.max_per_subject = max_open, max_per_subject
+        self.open = 0
+        self.subjects: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.open >= self.max_open:
+                return False
+            self.open += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.open -= 1
+
+    def enter_subject(self, subject: str) -> bool:
+        with self._lock:
+            if self.subjects.get(subject, 0) >= self.max_per_subject:
+                return False
+            self.subjects[subject] = self.subjects.get(subject, 0) + 1
+            return True
+
+    def leave_subject(self, subject: str) -> None:
+        with self._lock:
+            left = self.subjects.get(subject, 1) - 1
+            if left:
+                self.subjects[subject] = left
+            else:
+                self.subjects.pop(subject, None)
+
+
+@bp.before_request
+def admit() -> None:
+    """Past the process's websocket limit: a plain `503` with Retry-After, before any handshake
+    (the client tries again later, or another API process)."""
+    admission: Admission = current_app.extensions["logfold.ws_admission"]
+    if not admission.enter():
+        raise ApiError(
+            503,
+            "unavailable",
+            "this API process holds as many websockets as it may; try again later",
+            headers={"Retry-After": str(current_app.config["RETRY_AFTER_S"])},
+        )
+    g.ws_admitted = True
+
+
+@bp.teardown_request
+def leave(_: BaseException | None) -> None:
+    if g.pop("ws_admitted", False):
+        current_app.extensions["logfold.ws_admission"].leave()
+
+
 @sock.route("/ws", bp=bp)  # type: ignore[untyped-decorator]
 def websocket(ws: Any) -> None:
     app = current_app._get_current_object()  # type: ignore[attr-defined]
-    Connection(
-        ws,
-        app.extensions["logfold.settings"],
-        app.extensions["logfold.hub"],
-        app.extensions["logfold.read_model"],
-        app.config["JWT_SECRET"],
-    ).serve(request.args.get("token"))
+    try:
+        Connection(
+            ws,
+            app.extensions["logfold.settings"],
+            app.extensions["logfold.hub"],
+            app.extensions["logfold.read_model"],
+            app.config["JWT_SECRET"],
+            app.extensions["logfold.ws_admission"],
+        ).serve(request.args.get("token"))
+    finally:
+        release(ws)
+
+
+def release(ws: Any, linger: float = 1.0) -> None:
+    """End the connection in this handler's thread, waiting at most `linger` for the client
+    to answer the close. Under gunicorn the socket is otherwise closed by the worker's one
+    event-loop thread, which waits up to 2 s for each peer that does not close: a few silent
+    clients would stall every other connection of the process."""
+    if ws.mode != "gunicorn":
+        return  # other servers close it themselves, off their accept loop
+    if ws.connected:
+        with contextlib.suppress(ConnectionClosed, OSError):
+            ws.close()
+    ws.thread.join(timeout=linger)  # its reader ends when the client answers or hangs up
+    with contextlib.suppress(OSError):
+        ws.sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        ws.sock.close()
 
 
 class Connection:
     def __init__(
-        self, ws: Any, settings: Settings, hub: Hub, model: ReadModel, secret: str
+        self,
+        ws: Any,
+        settings: Settings,
+        hub: Hub,
+        model: ReadModel,
+        secret: str,
+        admission: Admission,
     ) -> None:
         self.ws, self.settings, self.hub, self.model, self.secret = ws, settings, hub, model, secret
-        self.client = Client(settings.ws_buffer)
+        self.admission = admission
+        self.client = Client(settings.ws_buffer, settings.ws_buffer_bytes)
         self.client.abort = self._abort  # type: ignore[attr-defined]
         self._send_lock = threading.Lock()
+        self.subject: str | None = None
+        self.expires_at = float("inf")  # the token's `exp`: the connection closes then (4401)
 
     # -- the connection's life --------------------------------------------------------------
 
@@ -97,6 +188,21 @@ class Connection:
             )
         if not self._authenticate(token):
             return
+        assert self.subject is not None
+        if not self.admission.enter_subject(self.subject):
+            self._refuse(
+                TOO_MANY_FOR_SUBJECT,
+                "too_many_connections",
+                f"at most {self.settings.ws_max_per_subject} websockets per token subject; "
+                "close one, or share one connection between subscriptions",
+            )
+            return
+        try:
+            self._serve_authenticated()
+        finally:
+            self.admission.leave_subject(self.subject)
+
+    def _serve_authenticated(self) -> None:
         self.hub.attach(self.client)
         sender = threading.Thread(target=self._send_loop, name="ws-sender", daemon=True)
         sender.start()
@@ -116,10 +222,13 @@ class Connection:
     def _authenticate(self, token: str | None) -> bool:
         """`?token=` or a first `{"op": "auth", "token": …}` message; needs `views:read`."""
         if token is None:
-            raw = self.ws.receive(timeout=AUTH_WAIT_S)
+            try:
+                raw = self.ws.receive(timeout=self.settings.ws_auth_timeout_s)
+            except ConnectionClosed:
+                return False
             try:
                 first = json.loads(raw) if raw is not None else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 first = {}
             if isinstance(first, dict) and first.get("op") == "auth":
                 token = first.get("token") if isinstance(first.get("token"), str) else None
@@ -129,13 +238,15 @@ class Connection:
             claims = verify(token, self.secret)
         except ApiError as e:
             return self._refuse(UNAUTHORIZED, "unauthorized", e.message)
-        if "views:read" not in str(claims.get("scope", "")).split():
+        if "views:read" not in scopes(claims):
             return self._refuse(FORBIDDEN, "forbidden", "subscribing needs the 'views:read' scope")
+        self.subject, self.expires_at = str(claims["sub"]), float(claims["exp"])
         return True
 
     def _refuse(self, close_code: int, code: str, message: str) -> bool:
-        self._send({"type": "error", "id": None, "code": code, "message": message})
-        self.ws.close(reason=close_code, message=message)
+        with contextlib.suppress(ConnectionClosed, OSError):
+            self._send({"type": "error", "id": None, "code": code, "message": message})
+            self.ws.close(reason=close_code, message=message)
         return False
 
     def _abort(self) -> None:
@@ -150,7 +261,18 @@ class Connection:
     def _send_loop(self) -> None:
         try:
             while True:
-                batch = self.client.take(self.settings.ws_heartbeat_s)
+                left = self.expires_at - time.time()
+                if left <= 0 and self.client.close_code is None:  # expired while open
+                    self._send(
+                        {
+                            "type": "error",
+                            "id": None,
+                            "code": "unauthorized",
+                            "message": "the token has expired; connect again with a new one",
+                        }
+                    )
+                    self.client.close(UNAUTHORIZED, "the token has expired")
+                batch = self.client.take(min(self.settings.ws_heartbeat_s, max(left, 0.0)))
                 if batch is None:
                     break
                 if not batch:
@@ -176,6 +298,8 @@ class Connection:
                 message = json.loads(raw)
             except ValueError as e:
                 raise Problem("malformed_json", "messages must be JSON objects") from e
+            except RecursionError as e:  # "[[[[…": nested deeper than the parser recurses
+                raise Problem("malformed_json", "the message is nested too deeply") from e
             if not isinstance(message, dict):
                 raise Problem("malformed_json", "messages must be JSON objects")
             sub_id = message.get("id") if isinstance(message.get("id"), str) else None
@@ -288,10 +412,18 @@ class Connection:
                     f"the snapshot would exceed {limit} rows; narrow the filter",
                     sub.id,
                 )
+            weight = len(json.dumps(rows, separators=(",", ":")))
+            if weight > self.settings.ws_buffer_bytes // 2:
+                raise Problem(
+                    "too_many_rows",
+                    f"the snapshot would be {weight} bytes, more than a connection may queue "
+                    "(LOGFOLD_WS_BUFFER_BYTES / 2); narrow the filter",
+                    sub.id,
+                )
             at = Position(lsn, 0)
             first = {"type": "snapshot", "id": sub.id, "rows": rows, "position": str(at)}
             try:
-                self.hub.subscribe(sub, at, first)
+                self.hub.subscribe(sub, at, first, weight)
                 return
             except Unservable:
                 continue  # the hub's history moved past the snapshot meanwhile: take another

@@ -276,6 +276,7 @@ class Capture:
         _, consistent_point, snapshot, _ = cur.fetchone()
         start = _parse_lsn(consistent_point) - 1  # below every change the slot will stream
         sent = 0
+        failed: list[BaseException] = []  # every send's outcome counts, not only the flush
         with psycopg.connect(self.settings.database()) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
             conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
@@ -287,10 +288,19 @@ class Capture:
                         name, "insert", self._key(table, row), row, None, Position(start, seq)
                     )
                     key, value, headers = record_for(change, None)
-                    producer.send(self.topics.cdc(name), key=key, value=value, headers=headers)
+                    future = producer.send(
+                        self.topics.cdc(name), key=key, value=value, headers=headers
+                    )
+                    future.add_errback(failed.append)
                     sent += 1
             conn.execute("COMMIT")
         producer.flush(timeout=max(self.settings.kafka_timeout_s, 60.0))
+        if failed:
+            # Not marked done: the next start drops the slot and takes the snapshot again.
+            raise KafkaError(
+                f"cdc: {len(failed)} of {sent} rows of the first snapshot were not written to "
+                f"Kafka ({failed[0]!r}); the snapshot will be taken again"
+            )
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             conn.execute(
                 "INSERT INTO cdc_slots (slot, consistent_point) VALUES (%s, %s) "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ class Change:
     row: dict[str, Any] | None  # None for a delete
     before: dict[str, Any] | None  # the old row of an update or delete
     position: Position
+    size: int = field(default=0, compare=False)  # bytes of its record (what it weighs queued)
 
 
 def _json(value: Any, canonical: bool = False) -> bytes:
@@ -67,6 +68,7 @@ def from_record(
     position = Position.parse(h["position"].decode())
     if value is None:
         before = json.loads(h["before"]) if "before" in h else None
-        return Change(table, "delete", json.loads(key), None, before, position)
+        return Change(table, "delete", json.loads(key), None, before, position, len(key))
     body = json.loads(value)
-    return Change(table, op, json.loads(key), body["row"], body.get("before"), position)
+    size = len(key) + len(value)
+    return Change(table, op, json.loads(key), body["row"], body.get("before"), position, size)

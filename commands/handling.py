@@ -42,17 +42,40 @@ class AggregateRecord:
         return cls(doc["version"], from_data(state_type, doc["state"]))
 
 
+# How long an Idempotency-Key is remembered: the idempotency topic's retention.
+IDEMPOTENCY_RETENTION_S = 7 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class IdempotencyRecord:
     fingerprint: str
     status: int
     body: dict[str, Any]
+    at: float  # when it was recorded (seconds since the epoch)
 
 
 @dataclass
 class PartitionState:
     aggregates: dict[tuple[str, str], AggregateRecord] = field(default_factory=dict)
+    # In the order recorded (oldest first), so expiry only ever looks at the front.
     idempotency: dict[str, IdempotencyRecord] = field(default_factory=dict)
+    idempotency_retention_s: float = IDEMPOTENCY_RETENTION_S
+
+    def remember(self, key: str, record: IdempotencyRecord, now: float) -> None:
+        """Keep `record` unless it is already past the retention (a restore of old records)."""
+        if record.at >= now - self.idempotency_retention_s:
+            self.idempotency[key] = record
+
+    def forget_expired(self, now: float) -> None:
+        """Drop the keys older than the retention, as the topic does: memory stays bounded by
+        what a retention's worth of keys weighs, and a processor that restarts (restoring only
+        what the topic still holds, minus what is past the retention) knows the same keys."""
+        cutoff = now - self.idempotency_retention_s
+        while self.idempotency:
+            key, oldest = next(iter(self.idempotency.items()))
+            if oldest.at >= cutoff:
+                return
+            del self.idempotency[key]
 
 
 @dataclass
@@ -73,6 +96,7 @@ def handle(
     if now() > msg.deadline:
         return Outcome(504, error_body("timeout", "the command expired before it was processed"))
     if msg.idempotency_key is not None:
+        part.forget_expired(now())
         seen = part.idempotency.get(msg.idempotency_key)
         if seen is not None:
             if seen.fingerprint != msg.fingerprint:
@@ -93,7 +117,7 @@ def handle(
         # replay it, not be decided again. The processor adds the position to this same body
         # before any reply of the batch is sent.
         part.idempotency[msg.idempotency_key] = IdempotencyRecord(
-            msg.fingerprint or "", outcome.status, outcome.body
+            msg.fingerprint or "", outcome.status, outcome.body, now()
         )
     return outcome
 

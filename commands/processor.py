@@ -121,10 +121,12 @@ class PartitionOwner:
                 doc = json.loads(r.value)
                 key = (doc["aggregate_type"], doc["aggregate_id"])
                 state.aggregates[key] = AggregateRecord.from_snapshot(doc)
+        now = time.time()
         for r in read_to_end(bootstrap, self.topics.idempotency, p):
             if r.value is not None:
                 doc = json.loads(r.value)
-                state.idempotency[r.key.decode()] = IdempotencyRecord(**doc)
+                doc.setdefault("at", r.timestamp / 1000)  # records from before `at` existed
+                state.remember(r.key.decode(), IdempotencyRecord(**doc), now)
         log.info("partition %s restored: %s aggregates", self.partition, len(state.aggregates))
         return state
 

@@ -1,6 +1,7 @@
 """How far each projection (and join) has folded the log: the last applied offset of every
 topic-partition, written in the same transaction as its rows; and whether it failed (a transform
-that raised: the error, the offsets it could not get past, when) while the others went on."""
+that raised: the error, the offsets it could not get past, when) while the others went on; and
+the records removed from the log before it could apply them."""
 
 from __future__ import annotations
 
@@ -22,4 +23,8 @@ table = Table(
     Column("error_offsets", JSONB),  # "topic:partition" -> the first offset it could not apply
     Column("failed_at", DateTime(timezone=True)),
     Column("started_at", DateTime(timezone=True)),  # its pipeline's query last started (warm)
+    # Records removed from the log before it applied them (spark/gaps.py): how many offsets in
+    # all, and the last few ranges ("partition", "from_offset", "to_offset", "detected_at").
+    Column("lost_offsets", BigInteger, nullable=False, server_default="0"),
+    Column("data_loss", JSONB),
 )

@@ -42,6 +42,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from events.catalog import EVENTS_BY_AGGREGATE
 from projections.base import Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, upcast
+from spark.gaps import Gaps, check_gaps
 from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
     Reconnecting,
@@ -77,6 +78,7 @@ class Share:
 
     offsets: Offsets  # its progress before the batch
     after: Offsets  # its progress after it
+    first: Offsets  # the first offset of each partition after its progress
     count: int  # events
     rows: dict[str, list[str]]
 
@@ -135,6 +137,7 @@ class EventSink:
         self.codegen = BatchCodegen()
         self.last_batch = 0  # records
         self.db = Reconnecting(settings.database())
+        self.gaps = Gaps(settings.kafka(), settings.kafka_timeout_s)
 
     @property
     def active(self) -> list[Projection]:
@@ -223,6 +226,7 @@ class EventSink:
                     share = self._share(p, rows, keys, first, offsets)
                     if share is None:
                         continue
+                    check_gaps(self.gaps, conn, p.name, share.offsets, share.first)
                     try:
                         with conn.transaction():
                             late = self._merge(conn, p, share)
@@ -248,18 +252,20 @@ class EventSink:
         reads = self.reads[p.name]
         found: dict[str, list[str]] = {o.name: [] for o in p.outputs}
         last: dict[str, int] = {}
+        starts: dict[str, int] = {}
         count = 0
         for row, key in zip(rows, keys, strict=True):
             if key not in reads or row[2] <= offsets.get(key, -1):
                 continue
             count += 1
             last[key] = max(last.get(key, -1), row[2])
+            starts[key] = min(starts.get(key, row[2]), row[2])
             for i, o in enumerate(p.outputs):
                 if (value := row[first + i]) is not None and value != "[]":
                     found[o.name].append(value)
         if not count:
             return None
-        return Share(offsets, {**offsets, **last}, count, found)
+        return Share(offsets, {**offsets, **last}, starts, count, found)
 
     def _merge(self, conn: psycopg.Connection[Any], p: Projection, share: Share) -> int:
         late = 0

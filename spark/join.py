@@ -36,6 +36,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
+from spark.gaps import Gaps, check_gaps
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
@@ -155,8 +156,11 @@ def newest_changes(join: Join, recs: list[Any], offsets: Offsets) -> list[dict[s
 class JoinSink:
     """`foreachBatch` function of the join pipeline: every join, each with its own progress."""
 
-    def __init__(self, joins: Sequence[Join], database_url: str, tables: dict[str, str]) -> None:
+    def __init__(
+        self, joins: Sequence[Join], database_url: str, tables: dict[str, str], gaps: Gaps
+    ) -> None:
         self.joins, self.database_url, self.tables = list(joins), database_url, tables
+        self.gaps = gaps
         self.failed: set[str] = set()
         self.db = Reconnecting(database_url)
         self.codegen = BatchCodegen()
@@ -193,12 +197,14 @@ class JoinSink:
             if not after:
                 continue
             changes = newest_changes(join, recs, offsets)
-            applied = sum(
-                1
-                for r in recs
-                if r["table"] in join.tables
-                and r["offset"] > offsets.get(f"{r['topic']}:{r['partition']}", -1)
-            )
+            starts: Offsets = {}  # per partition, the first record after its progress
+            applied = 0
+            for r in recs:
+                k = f"{r['topic']}:{r['partition']}"
+                if r["table"] in join.tables and r["offset"] > offsets.get(k, -1):
+                    starts[k] = min(starts.get(k, r["offset"]), r["offset"])
+                    applied += 1
+            check_gaps(self.gaps, conn, join.name, offsets, starts)
             try:
                 with conn.transaction():
                     written = apply_changes(conn, join, changes)
@@ -266,7 +272,8 @@ class JoinPipeline:
         )
         if self.sink is not None:
             self.sink.db.close()
-        self.sink = JoinSink(self.joins, url, self.tables)
+        gaps = Gaps(self.settings.kafka(), self.settings.kafka_timeout_s)
+        self.sink = JoinSink(self.joins, url, self.tables, gaps)
         idle_poll(self.spark, self.settings.spark_joins_idle_poll_ms)
         codegen(self.spark, False)  # the query starts on small batches (see BatchCodegen)
         return (

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -68,6 +69,28 @@ def mark_failed(conn: psycopg.Connection[Any], name: str, error: str, offsets: O
         "UPDATE projection_progress SET error = %s, error_offsets = %s, failed_at = now() "
         "WHERE projection = %s",
         (error[:MAX_ERROR_CHARS], json.dumps(first), name),
+    )
+
+
+MAX_LOSSES = 20  # the last losses kept per fold (their total is counted apart)
+
+
+def record_loss(conn: psycopg.Connection[Any], name: str, lost: dict[str, tuple[int, int]]) -> None:
+    """Record that the records at `lost` ("topic:partition" -> [first, end) offsets) were
+    removed from the log before `name` applied them; its view never had them."""
+    row = conn.execute(
+        "SELECT data_loss FROM projection_progress WHERE projection = %s", (name,)
+    ).fetchone()
+    now = datetime.now(UTC).isoformat()
+    found = [
+        {"partition": k, "from_offset": a, "to_offset": b - 1, "detected_at": now}
+        for k, (a, b) in sorted(lost.items())
+    ]
+    kept = ((row[0] if row and row[0] else []) + found)[-MAX_LOSSES:]
+    conn.execute(
+        "UPDATE projection_progress SET data_loss = %s, lost_offsets = lost_offsets + %s "
+        "WHERE projection = %s",
+        (json.dumps(kept), sum(b - a for a, b in lost.values()), name),
     )
 
 

@@ -13,7 +13,11 @@ from stack.settings import Settings
 
 
 def _settings() -> Settings:
-    return Settings()
+    """From the environment; what it does not set comes from the local stack that `logfold run`
+    is running in this project, if any (see stack/stack_env.py)."""
+    from stack import stack_env
+
+    return stack_env.settings()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,7 +40,7 @@ def run(processors: int | None) -> None:
     from stack import local, logs
     from stack.topics import TopicMisconfigured
 
-    settings = _settings()
+    settings = Settings()  # its own configuration only: not another stack's endpoints
     logs.configure(settings.log_level)
     if processors is not None:
         settings.processors = processors
@@ -51,7 +55,18 @@ def run(processors: int | None) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def reset(yes: bool) -> None:
     """Delete the local stack's data (Kafka log, Postgres, dev secret). Stop `run` first."""
-    path = _settings().data_path
+    from stack import stack_env
+
+    settings = Settings()
+    running = stack_env.read(settings)
+    if running is not None:
+        click.echo(
+            f"error: the local stack is running (`logfold run`, pid {running[stack_env.PID]}); "
+            "stop it with Ctrl-C first",
+            err=True,
+        )
+        sys.exit(1)
+    path = settings.data_path
     if not path.exists():
         click.echo(f"nothing to reset: {path} does not exist")
         return
@@ -62,20 +77,40 @@ def reset(yes: bool) -> None:
 
 
 @main.command()
+def env() -> None:
+    """Print `export` lines for the local stack that `logfold run` is running here.
+
+    In a new shell: eval "$(logfold env)"; then psql "$DATABASE_URL", curl with a token from
+    `logfold token`, or any other tool sees the same stack.
+    """
+    from stack import stack_env
+
+    settings = Settings()
+    running = stack_env.read(settings)
+    if running is None:
+        click.echo(
+            f"error: no local stack is running here (no {stack_env.path(settings)}); start one "
+            "with `logfold run` in the project directory (or set LOGFOLD_DATA_DIR to its data)",
+            err=True,
+        )
+        sys.exit(1)
+    click.echo(stack_env.exports(running), nl=False)
+
+
+@main.command()
 @click.option("--host", default=None, help="Interface to listen on (LOGFOLD_API_HOST).")
 @click.option("--port", type=int, default=None, help="Port (LOGFOLD_API_PORT).")
 @click.option("--workers", type=int, default=1, help="gunicorn worker processes.")
 def api(host: str | None, port: int | None, workers: int) -> None:
     """Serve the HTTP API (needs Kafka, Postgres and LOGFOLD_JWT_SECRET)."""
     from stack import logs
-    from stack.local import secret_for
     from stack.serve import ApiServer
 
     settings = _settings()
     logs.configure(settings.log_level)
     settings.api_host = host or settings.api_host
     settings.api_port = port or settings.api_port
-    settings.jwt_secret = secret_for(settings)
+    settings.jwt_secret = _secret(settings)
     _require_topics(settings)
     ApiServer(settings, workers).run()
 
@@ -224,9 +259,18 @@ def topics(create: bool) -> None:
 def token(scopes: tuple[str, ...], subject: str, ttl: int) -> None:
     """Print a bearer token signed with LOGFOLD_JWT_SECRET (or the local stack's secret)."""
     from app.auth import SCOPES, issue_token
+
+    click.echo(issue_token(_secret(_settings()), subject, scopes or SCOPES, ttl))
+
+
+def _secret(settings: Settings) -> str:
     from stack.local import secret_for
 
-    click.echo(issue_token(secret_for(_settings()), subject, scopes or SCOPES, ttl))
+    try:
+        return secret_for(settings)
+    except (RuntimeError, ValueError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
 
 def _require_topics(settings: Settings) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import requests
 
+from app.auth import check_secret
+from stack import stack_env
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
@@ -26,17 +28,26 @@ from stack.topics import check_topics, create_topics
 
 
 def load_or_create_secret(path: Path) -> str:
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    secret = secrets.token_urlsafe(32)
-    path.write_text(secret)
-    path.chmod(0o600)
-    return secret
+    """The local stack's token secret, created on first use atomically with mode 0600; two
+    processes starting at once end up with the same one."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stack_env.write_private(path, secrets.token_urlsafe(48), replace=False)
+    return path.read_text().strip()
 
 
 def secret_for(settings: Settings) -> str:
-    return settings.jwt_secret or load_or_create_secret(settings.data_path / "jwt-secret")
+    """The token secret: configured (LOGFOLD_JWT_SECRET, or the running local stack's), checked
+    for strength. Never made up here: replicas that each invented one would reject each other's
+    tokens, so without one this says how to get one."""
+    if not settings.jwt_secret:
+        raise RuntimeError(
+            "LOGFOLD_JWT_SECRET is not set and no local stack is running here (no "
+            f"{settings.data_path / 'stack.env'}): start one with `logfold run` in this "
+            'directory, or `eval "$(logfold env)"` in the project of a running one, or set '
+            f"LOGFOLD_JWT_SECRET to the deployment's secret"
+        )
+    return check_secret(settings.jwt_secret)
 
 
 class LocalStack:
@@ -68,7 +79,9 @@ class LocalStack:
             self.postgres = LocalPostgres(data / "pg", s.postgres_port)
             self.postgres.start()
             s.database_url = self.postgres.url
-        s.jwt_secret = secret_for(s)
+        s.jwt_secret = check_secret(
+            s.jwt_secret or load_or_create_secret(s.data_path / "jwt-secret")
+        )
         created = create_topics(s)
         if created:
             self.say(f"created topics: {', '.join(created)}")
@@ -76,19 +89,19 @@ class LocalStack:
         upgrade(s.database())
         return s
 
-    def env(self) -> dict[str, str]:
+    def endpoints(self) -> dict[str, str]:
+        """What a process needs to join this stack (also what `logfold env` prints)."""
         s = self.settings
-        env = dict(os.environ)
-        env.update(
-            {
-                "KAFKA_BOOTSTRAP_SERVERS": s.kafka(),
-                "DATABASE_URL": s.database(),
-                "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
-                "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
-                "LOGFOLD_PARTITIONS": str(s.partitions),
-            }
-        )
-        return env
+        return {
+            "KAFKA_BOOTSTRAP_SERVERS": s.kafka(),
+            "DATABASE_URL": s.database(),
+            "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
+            "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
+            "LOGFOLD_PARTITIONS": str(s.partitions),
+        }
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **self.endpoints()}
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([sys.executable, "-m", "stack.cli", *args], env=env or self.env())
@@ -143,6 +156,12 @@ class LocalStack:
 def run(settings: Settings) -> None:
     from app.auth import issue_token
 
+    running = stack_env.read(settings)
+    if running is not None:
+        raise RuntimeError(
+            f"a local stack is already running here (`logfold run`, pid {running[stack_env.PID]}); "
+            'stop it first, or use it: `eval "$(logfold env)"`'
+        )
     stack = LocalStack(settings)
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
@@ -150,6 +169,7 @@ def run(settings: Settings) -> None:
         stack.start_services()
         stack.start_processes()
         base = f"http://{settings.api_host}:{settings.api_port}"
+        stack_env.write(settings, {**stack.endpoints(), "LOGFOLD_API_URL": base})
         token = issue_token(settings.jwt_secret or "")
         print(
             f"""
@@ -181,4 +201,5 @@ Ctrl-C stops everything; data stays in {settings.data_path} (`logfold reset` wip
         pass
     finally:
         print("stopping…", flush=True)
+        stack_env.remove(settings)
         stack.stop()

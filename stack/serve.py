@@ -17,8 +17,10 @@ class ApiServer(BaseApplication):  # type: ignore[misc]
             "worker_class": "gthread",
             "workers": workers,
             "threads": settings.api_threads,
-            # Each open websocket holds a thread: room for them plus plain requests.
-            "worker_connections": settings.api_threads + 100,
+            # Each open websocket holds a thread, up to `ws_max_open`; the reserved threads serve
+            # plain requests. Accept more connections than that, so the ones that must be
+            # refused (server full) are answered at once instead of waiting in the backlog.
+            "worker_connections": settings.api_threads * 2 + 100,
             "timeout": 60,
             "graceful_timeout": 10,
             "accesslog": None,

@@ -30,7 +30,10 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
-    api_threads: int = 512  # per process; each open websocket uses one (threads start lazily)
+    api_threads: int = Field(default=512, ge=8)  # per process; each open websocket holds one
+    # Threads of an API process that websockets never take: REST keeps answering however many
+    # sockets are open (at most api_threads - api_reserved_threads per process).
+    api_reserved_threads: int = Field(default=64, ge=1)
     processors: int = Field(default=1, ge=1)
 
     spark_master: str = "local[*]"
@@ -49,8 +52,11 @@ class Settings(BaseSettings):
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
 
     ws_max_subscriptions: int = Field(default=20, ge=1)  # per connection
+    ws_max_per_subject: int = Field(default=100, ge=1)  # open websockets per token subject
+    ws_auth_timeout_s: float = Field(default=5.0, gt=0)  # a socket without a token is closed
     ws_max_message_bytes: int = Field(default=16 * 1024, ge=256)  # client -> server
     ws_buffer: int = Field(default=1000, ge=2)  # messages queued per client before 4008
+    ws_buffer_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)  # and their bytes
     ws_snapshot_rows: int = Field(default=10_000, ge=1)
     ws_heartbeat_s: float = Field(default=10.0, gt=0)
     ws_replay: int = Field(default=10_000, ge=0)  # recent changes kept per table for `since`
@@ -62,7 +68,17 @@ class Settings(BaseSettings):
     clock_skew_s: float = Field(default=1.0, ge=0)
     max_body_bytes: int = 64 * 1024
     retry_after_s: int = 5
+    # /health: checks run in the background, one at a time, every `health_interval_s`, each
+    # given `health_timeout_s`; a component that was up is down after `health_failures` in a row.
+    health_interval_s: float = Field(default=2.0, gt=0)
+    health_timeout_s: float = Field(default=3.0, gt=0)
+    health_failures: int = Field(default=3, ge=1)
     log_level: str = "INFO"
+
+    @property
+    def ws_max_open(self) -> int:
+        """Websockets one API process holds at most (the threads it does not reserve)."""
+        return max(self.api_threads - self.api_reserved_threads, 1)
 
     @property
     def data_path(self) -> Path:

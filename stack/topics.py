@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
+from commands.handling import IDEMPOTENCY_RETENTION_S
 from events.catalog import AGGREGATE_TYPES
 from stack.settings import Settings
 
@@ -73,7 +74,11 @@ class Topics:
             TopicSpec(
                 self.idempotency,
                 "responses by Idempotency-Key",
-                {"cleanup.policy": "compact,delete", "retention.ms": str(7 * DAY_MS)},
+                # As long as the processors remember a key (IDEMPOTENCY_RETENTION_S).
+                {
+                    "cleanup.policy": "compact,delete",
+                    "retention.ms": str(int(IDEMPOTENCY_RETENTION_S * 1000)),
+                },
             ),
             TopicSpec(
                 self.commands,

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -246,3 +247,22 @@ def kill_tree(pid: int) -> None:
     for member in family:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+def health_component(
+    client: Any,
+    name: str,
+    until: Callable[[dict[str, Any]], bool],
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> dict[str, Any]:
+    """Component `name` of `/health` (a Flask test client's) once `until` holds for it: the
+    checks run in the background, so a change shows within a round or two."""
+    seen: dict[str, Any] = {}
+
+    def shown() -> bool:
+        seen.update(client.get("/health", headers=headers or {}).json["components"])
+        return name in seen and until(seen[name])
+
+    wait_until(shown, timeout, f"/health's {name} to change (last: {seen.get(name)})")
+    return dict(seen[name])

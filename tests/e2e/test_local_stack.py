@@ -129,9 +129,13 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     assert '"book_id":"dune"' in out.stdout and '"price_cents":2499' in out.stdout
     assert '"status":"up"' in out.stdout
 
+    second_terminal(stack, data_dir)
+
     assert stack.interrupt() == 0, "".join(stack.output[-30:])
     assert not port_open(stack.kafka_port) and not port_open(stack.pg_port)
     assert not port_open(stack.api_port)
+    assert not (data_dir / "stack.env").exists()  # gone with the stack
+    assert cli(stack.env, "env").returncode == 1
 
     token = stack.start()
     r = requests.post(
@@ -155,8 +159,70 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     assert not data_dir.exists()
 
 
+def cli(
+    env: dict[str, str], *args: str, cwd: Path = REPO, shell: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`logfold …` (or a bash line using `logfold`) as a user would type it in a terminal."""
+    command = ["bash", "-euo", "pipefail", "-c", shell] if shell else ["logfold", *args]
+    path = f"{Path(sys.executable).parent}:{env.get('PATH', os.environ['PATH'])}"
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env={**env, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def second_terminal(stack: RunningStack, data_dir: Path) -> None:
+    """Another shell in the project while `logfold run` runs: no endpoint or secret is set, and
+    the CLI finds the running stack by itself."""
+    assert (data_dir / "stack.env").stat().st_mode & 0o777 == 0o600
+    assert "LOGFOLD_JWT_SECRET" not in stack.env and "DATABASE_URL" not in stack.env
+
+    printed = cli(stack.env, "token", "--scope", "views:read")
+    assert printed.returncode == 0, printed.stderr
+    r = requests.get(
+        f"{stack.base}/views/customers",
+        headers={"Authorization": f"Bearer {printed.stdout.strip()}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text  # signed with the running stack's secret
+
+    topics = cli(stack.env, "topics")
+    assert topics.returncode == 0 and "ok " in topics.stdout, topics.stderr
+
+    exports = cli(stack.env, "env")
+    assert exports.returncode == 0 and "export DATABASE_URL=" in exports.stdout, exports.stderr
+    psql = cli(stack.env, shell='eval "$(logfold env)"; psql "$DATABASE_URL" -tAc "SELECT 42"')
+    assert psql.returncode == 0 and psql.stdout.strip() == "42", psql.stderr
+
+    busy = cli(stack.env, "reset", "--yes")
+    assert busy.returncode == 1 and "running" in busy.stderr and data_dir.exists()
+
+
+def test_outside_a_project_commands_say_what_to_do_and_write_nothing(tmp_path: Path) -> None:
+    bare = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("LOGFOLD_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL")
+    }
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for args in (["token"], ["api"], ["env"]):
+        out = cli(bare, *args, cwd=elsewhere)
+        assert out.returncode != 0, (args, out.stdout)
+        assert "logfold run" in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
+    assert list(elsewhere.iterdir()) == []  # no new secret, no data directory
+    weak = cli({**bare, "LOGFOLD_JWT_SECRET": "change-me"}, "token", cwd=elsewhere)
+    assert weak.returncode != 0 and "32" in weak.stderr, weak.stderr
+
+
 @pytest.mark.parametrize(
-    "args", [[], ["run"], ["api"], ["processor"], ["migrate"], ["topics"], ["token"], ["reset"]]
+    "args",
+    [[], ["run"], ["api"], ["processor"], ["migrate"], ["topics"], ["token"], ["reset"], ["env"]],
 )
 def test_every_command_has_help(args: list[str]) -> None:
     out = subprocess.run(

@@ -3,17 +3,21 @@ never see each other's data."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from flask.testing import FlaskClient
 
-from app import create_app
+from app import close_app, create_app
 from cdc.capture import Capture
 from commands.processor import CommandProcessor
+from stack.local_kafka import LocalKafka
+from stack.procs import free_port
 from stack.settings import Settings
-from tests.support import drop_cdc_slot, new_deployment
+from tests.support import REPO, drop_cdc_slot, new_deployment
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +47,20 @@ def capture(deployment: Settings) -> Iterator[Capture]:
     drop_cdc_slot(deployment)
 
 
+@pytest.fixture
+def own_broker(workdir: Path) -> Iterator[LocalKafka]:
+    """A Kafka broker of the test's own, for tests that stop or kill it."""
+    data = Path(tempfile.mkdtemp(prefix="kafka-", dir=workdir))
+    broker = LocalKafka(REPO / ".stack" / "lib", data, free_port(), free_port())
+    broker.start()
+    yield broker
+    broker.stop()
+
+
 @pytest.fixture(scope="module")
 def client(
     deployment: Settings, processor: CommandProcessor, capture: Capture
 ) -> Iterator[FlaskClient]:
     app = create_app(deployment)
     yield app.test_client()
-    app.extensions["logfold.bus"].close()
-    app.extensions["logfold.hub"].stop()
+    close_app(app)

@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from flask.testing import FlaskClient
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
 from cdc.capture import Capture, slot_name
 from stack.procs import wait_until
@@ -183,6 +183,39 @@ def test_the_slot_is_confirmed_only_after_kafka_acknowledged(fresh: Settings) ->
         )
         versions = [c.row["version"] for c in distinct(changelog(fresh, "customers")) if c.row]
         assert versions == [1, 2, 3, 4, 5]
+    finally:
+        admin.close()
+        capture.stop()
+        thread.join(30)
+
+
+def _snapshot_done(settings: Settings) -> bool:
+    with psycopg.connect(settings.database()) as conn:
+        sql = "SELECT 1 FROM cdc_slots WHERE slot = %s"
+        return conn.execute(sql, (slot_name(settings),)).fetchone() is not None
+
+
+def test_the_first_snapshot_is_done_only_once_kafka_took_every_row(fresh: Settings) -> None:
+    """Rows the broker refuses (here: bigger than the topic allows) keep the first snapshot
+    from being marked done; it is taken again, and no row is lost."""
+    keys = _keys(3)
+    insert_customers(fresh, keys, "snapshot")
+    topic = Topics(fresh.topic_prefix).cdc("customers")
+    admin = KafkaAdminClient(bootstrap_servers=fresh.kafka())
+
+    def limit(size: int) -> None:
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": size})
+        admin.alter_configs([resource])
+
+    limit(64)  # smaller than any record
+    capture, thread = _run_capture(fresh)
+    try:
+        wait_until(lambda: capture.failures >= 1, 60, "the snapshot's sends to fail")
+        assert not _snapshot_done(fresh)
+        limit(1024 * 1024)
+        wait_until(lambda: _snapshot_done(fresh), 90, "the snapshot to be taken again")
+        snapshot = {c.key["customer_id"] for c in changelog(fresh, "customers") if c.row}
+        assert set(keys) <= snapshot
     finally:
         admin.close()
         capture.stop()

@@ -18,7 +18,7 @@ from flask.testing import FlaskClient
 from kafka import TopicPartition
 from werkzeug.test import TestResponse
 
-from app import create_app
+from app import close_app, create_app
 from commands.messages import CommandMessage, Reply
 from commands.processor import CommandProcessor
 from events.partitioning import partition_for
@@ -623,7 +623,7 @@ def test_an_unanswered_command_is_504_and_expires_unprocessed(base_settings: Set
         [refused] = [r for r in replies if r.command_id == sent.command_id]
         assert refused.status == 504 and refused.body["error"]["code"] == "timeout"
     finally:
-        app.extensions["logfold.bus"].close()
+        close_app(app)
 
 
 # --- no input produces a 500 ----------------------------------------------------------------

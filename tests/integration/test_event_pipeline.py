@@ -5,7 +5,9 @@ Postgres and Spark:
   /metrics, with the error and the offsets it could not get past) while the others in the same
   query go on; once fixed and restarted it catches up from its own progress and rejoins;
 - events at an older schema version, in a batch with current ones, are folded in their
-  upcast form (the Python upcasters run only for them)."""
+  upcast form (the Python upcasters run only for them);
+- records deleted from the log before a projection applied them are reported, not skipped in
+  silence."""
 
 from __future__ import annotations
 
@@ -16,16 +18,20 @@ from typing import Any
 
 import psycopg
 import pytest
+from kafka import TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
-from app import create_app
+from app import close_app, create_app
 from events.customer import CustomerRegistered
 from events.order import OrderPlaced, PlacedLine
+from events.partitioning import partition_for
 from projections import customers, orders
 from projections.base import Output, Projection
 from stack.procs import wait_until
 from stack.settings import Settings
+from stack.topics import Topics
 from tests.integration.test_upcasting import produce_raw, v1_customer_registered
-from tests.support import append_events, token
+from tests.support import append_events, health_component, new_deployment, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -134,9 +140,12 @@ def test_a_failing_projection_stops_alone_is_reported_and_catches_up_once_fixed(
         app = create_app(deployment)
         try:
             client = app.test_client()
-            component = client.get("/health").json["components"]["projection:customers"]
-            assert component["status"] == "failed"
-            assert "deliberately broken" in component["error"]
+            component = health_component(
+                client, "projection:customers", lambda c: c["status"] == "failed", ADMIN
+            )
+            assert "deliberately broken" in component["error"]  # shown to admin callers only
+            unauthenticated = client.get("/health").json["components"]["projection:customers"]
+            assert unauthenticated["status"] == "failed" and "error" not in unauthenticated
             assert component["failed_at_offsets"] == offsets
             assert component["lag_events"] > 0  # the poison pill (and Cy) wait behind it
             assert client.get("/health").json["components"]["projection:orders"]["status"] == "up"
@@ -144,8 +153,7 @@ def test_a_failing_projection_stops_alone_is_reported_and_catches_up_once_fixed(
             assert 'logfold_component_failed{component="projection:customers"} 1.0' in metrics
             assert 'logfold_component_failed{component="projection:orders"} 0.0' in metrics
         finally:
-            app.extensions["logfold.bus"].close()
-            app.extensions["logfold.hub"].stop()
+            close_app(app)
     finally:
         stop(projector)
 
@@ -186,3 +194,62 @@ def test_old_schema_events_are_folded_upcast_in_a_batch_with_current_ones(
             ).fetchall()
         )
     assert rows == {legacy: "grace@example.com", current: f"{current}@x.org"}
+
+
+def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
+    base_settings: Settings, spark: Any
+) -> None:
+    """Spark reads with failOnDataLoss=false (transaction markers are not losses); records that
+    were deleted before a projection applied them are still found, logged and shown."""
+    settings = new_deployment(base_settings)
+    topic = Topics(settings.topic_prefix).events("customer")
+
+    def on_partition_0(name: str) -> str:
+        while True:
+            cid = f"c-{uuid.uuid4().hex[:8]}"
+            if partition_for(cid, settings.partitions) == 0:
+                append_events(
+                    settings, "customer", cid, (1, CustomerRegistered(name, f"{cid}@x.org"), AT)
+                )
+                return cid
+
+    for name in ("A", "B"):
+        on_partition_0(name)  # offsets 0, 1
+    projector = run_events(settings, spark, (customers.projection,))
+    try:
+        wait_until(lambda: customer_names(settings) == {"A", "B"}, 120, "A and B")
+    finally:
+        stop(projector)
+
+    for name in ("Gone1", "Gone2", "Kept"):
+        on_partition_0(name)  # offsets 2, 3, 4
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
+
+    def policy(value: str) -> None:
+        admin.alter_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": value})]
+        )
+
+    try:  # a retention set by mistake (or an operator) deletes 2 and 3 before they are applied
+        policy("compact,delete")  # Kafka deletes records only from topics that allow it
+        admin.delete_records({TopicPartition(topic, 0): 4})
+        policy("compact")
+    finally:
+        admin.close()
+
+    projector = run_events(settings, spark, (customers.projection,))
+    app = create_app(settings)
+    try:
+        wait_until(lambda: "Kept" in customer_names(settings), 120, "Kept")
+        assert customer_names(settings) == {"A", "B", "Kept"}
+        component = health_component(
+            app.test_client(), "projection:customers", lambda c: c["lost_offsets"] > 0
+        )
+        assert component["lost_offsets"] == 2
+        [loss] = component["data_loss"]
+        assert (loss["partition"], loss["from_offset"], loss["to_offset"]) == (f"{topic}:0", 2, 3)
+        metrics = app.test_client().get("/metrics", headers=ADMIN).get_data(as_text=True)
+        assert 'logfold_lost_offsets{component="projection:customers"} 2.0' in metrics
+    finally:
+        close_app(app)
+        stop(projector)

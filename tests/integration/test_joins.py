@@ -21,7 +21,7 @@ import pytest
 from flask.testing import FlaskClient
 from kafka import KafkaConsumer, TopicPartition
 
-from app import create_app
+from app import close_app, create_app
 from commands.messages import Position
 from projections.base import Join
 from projections.registry import JOINS
@@ -420,8 +420,7 @@ def test_author_pages_follow_royalties_and_profiles(
 def api(deployment: Settings) -> Iterator[FlaskClient]:
     app = create_app(deployment)
     yield app.test_client()
-    app.extensions["logfold.bus"].close()
-    app.extensions["logfold.hub"].stop()
+    close_app(app)
 
 
 def test_joined_views_are_served_like_the_others(

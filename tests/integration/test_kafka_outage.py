@@ -1,35 +1,25 @@
-"""Kafka down: the API answers 503 with Retry-After in bounded time, writes nothing, and
-recovers by itself when the broker returns. Uses a broker of its own, since it kills it."""
+"""Kafka down: the API answers 503 with Retry-After in bounded time (commands, and reads that
+ask Kafka for lag), writes nothing, and recovers by itself when the broker returns. Uses a
+broker of its own, since it kills it."""
 
 from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 from flask.testing import FlaskClient
 
-from app import create_app
+from app import close_app, create_app
 from app.commands_api import IDEMPOTENCY_NAMESPACE
 from commands.processor import CommandProcessor
 from stack.local_kafka import LocalKafka
-from stack.procs import free_port, wait_until
+from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import create_topics
-from tests.support import REPO, log_of, token
+from tests.support import log_of, token
 
 AUTH = {"Authorization": f"Bearer {token(subject='outage')}"}
-
-
-@pytest.fixture
-def own_broker(workdir: Path) -> Iterator[LocalKafka]:
-    broker = LocalKafka(REPO / ".stack" / "lib", workdir / "kafka-outage", free_port(), free_port())
-    broker.start()
-    yield broker
-    broker.stop()
 
 
 def register(client: FlaskClient, name: str, **extra: Any) -> Any:
@@ -63,6 +53,14 @@ def test_kafka_down_gives_503_writes_nothing_and_recovers(
         assert r.status_code == 503, r.json
         assert r.json["error"]["code"] == "unavailable"
         assert int(r.headers["Retry-After"]) > 0
+        # Listing the views asks Kafka for their lag: unavailable too, never a 500.
+        views = client.get("/views", headers=AUTH)
+        assert views.status_code == 503, views.json
+        assert (
+            views.json["error"]["code"] == "unavailable"
+            and "Kafka" in views.json["error"]["message"]
+        )
+        assert int(views.headers["Retry-After"]) > 0
 
         own_broker.start()
         answers: list[int] = []
@@ -84,4 +82,4 @@ def test_kafka_down_gives_503_writes_nothing_and_recovers(
     finally:
         processor.stop()
         thread.join(timeout=30)
-        app.extensions["logfold.bus"].close()
+        close_app(app)

@@ -13,12 +13,13 @@ from typing import Any
 
 import psycopg
 import pytest
+import websocket
 from werkzeug.serving import make_server
 
-from app import create_app
+from app import close_app, create_app
 from app.live import Hub
 from cdc.capture import Capture
-from stack.procs import free_port
+from stack.procs import free_port, wait_until
 from stack.settings import Settings
 from tests.changes import (
     Writer,
@@ -51,8 +52,7 @@ def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
     yield start
     for server, app in servers:
         server.shutdown()
-        app.extensions["logfold.hub"].stop()
-        app.extensions["logfold.bus"].close()
+        close_app(app)
 
 
 def _keys(n: int) -> tuple[list[str], str]:
@@ -265,3 +265,87 @@ def test_limits_on_subscriptions_and_message_size(serve: Serve) -> None:
     assert client.of("s2", "error")[0]["code"] == "too_many_subscriptions"
     client.send({"op": "subscribe", "id": "big", "view": "books", "filter": {"title": "x" * 4000}})
     assert client.wait_closed() == 1009  # message too big
+
+
+def test_a_deeply_nested_message_gets_an_error_not_a_traceback(serve: Serve) -> None:
+    url, _ = serve()
+    client = WsClient(url, token("views:read"))
+    client.ws.send("[" * 5000 + "]" * 5000)  # deeper than the JSON parser recurses
+    client.wait_for(lambda: any(m["type"] == "error" for m in client.messages), "an error")
+    error = next(m for m in client.messages if m["type"] == "error")
+    assert error["code"] == "malformed_json" and "deeply" in error["message"]
+    client.subscribe("ok", "books")  # the connection is fine
+    client.wait_for(_has_snapshot(client, "ok"), "snapshot")
+    client.close()
+
+
+def test_a_token_that_expires_while_the_socket_is_open_closes_it_with_4401(serve: Serve) -> None:
+    url, _ = serve()
+    client = WsClient(url, token("views:read", ttl=2))
+    client.subscribe("s", "books")
+    client.wait_for(_has_snapshot(client, "s"), "snapshot")
+    assert client.wait_closed(timeout=30) == 4401
+    assert client.messages[-1]["code"] == "unauthorized"
+    assert "expired" in client.messages[-1]["message"]
+
+
+def test_a_socket_that_never_authenticates_is_closed_after_a_short_deadline(
+    serve: Serve,
+) -> None:
+    url, _ = serve(ws_auth_timeout_s=0.5)
+    silent = WsClient(url)  # no token, no auth message
+    assert silent.wait_closed(timeout=15) == 4401
+
+
+def test_websockets_per_process_and_per_subject_are_limited(serve: Serve) -> None:
+    # 3 sockets at most (6 threads, 3 reserved for REST), 2 per token subject.
+    url, _ = serve(api_threads=8, api_reserved_threads=5, ws_max_per_subject=2)
+    ann = [WsClient(url, token("views:read", subject="ann")) for _ in range(2)]
+    for i, client in enumerate(ann):
+        client.subscribe("s", "books")
+        client.wait_for(_has_snapshot(client, "s"), f"ann's snapshot {i}")
+    third_ann = WsClient(url, token("views:read", subject="ann"))
+    assert third_ann.wait_closed() == 4429
+    assert third_ann.messages[0]["code"] == "too_many_connections"
+
+    bob = WsClient(url, token("views:read", subject="bob"))
+    bob.subscribe("s", "books")
+    bob.wait_for(_has_snapshot(bob, "s"), "bob's snapshot")
+    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+        WsClient(url, token("views:read", subject="cy"))  # the process holds all it may
+    assert refused.value.status_code == 503
+    assert refused.value.resp_headers["retry-after"]
+
+    ann[0].close()  # a place frees up
+    cy: WsClient | None = None
+
+    def admitted() -> bool:
+        nonlocal cy
+        cy = WsClient(url, token("views:read", subject="cy"))
+        cy.subscribe("s", "books")
+        try:
+            cy.wait_for(_has_snapshot(cy, "s"), "cy's snapshot", timeout=2)
+            return True
+        except TimeoutError:
+            cy.close()
+            return False
+
+    wait_until(admitted, 30, "a socket to be admitted once one closed")
+    for client in (ann[1], bob, cy):
+        assert client is not None
+        client.close()
+
+
+def test_a_snapshot_heavier_than_the_outbox_may_hold_is_refused(
+    serve: Serve, deployment: Settings
+) -> None:
+    url, _ = serve(ws_buffer_bytes=64 * 1024)
+    keys, group = _keys(400)  # ~150 bytes a row: ~60 kB, more than half of 64 kB
+    insert_customers(deployment, keys, group)
+    client = WsClient(url, token("views:read"))
+    client.subscribe("s", "customers", {"name": group})
+    client.wait_for(lambda: bool(client.of("s", "error")), "the snapshot to be refused")
+    assert client.of("s", "error")[0]["code"] == "too_many_rows"
+    client.subscribe("ok", "books")
+    client.wait_for(_has_snapshot(client, "ok"), "a small snapshot still works")
+    client.close()

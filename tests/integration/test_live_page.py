@@ -24,7 +24,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from werkzeug.serving import make_server
 
-from app import create_app
+from app import close_app, create_app
 from app.live import Hub
 from cdc.capture import Capture, slot_name
 from stack.procs import free_port, wait_until
@@ -72,8 +72,7 @@ def server(deployment: Settings, capture: Capture) -> Iterator[tuple[str, Hub]]:
     http.shutdown()
     http.server_close()
     thread.join(timeout=10)
-    app.extensions["logfold.hub"].stop()
-    app.extensions["logfold.bus"].close()
+    close_app(app)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from projections.registry import PROJECTIONS, VIEWS
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import token
+from tests.support import health_component, token
 
 pytestmark = pytest.mark.integration
 
@@ -734,6 +734,8 @@ def projections_progress(deployment: Settings, topics: Topics) -> Iterator[None]
 def test_health_has_a_component_per_projection(
     client: FlaskClient, projections_progress: None
 ) -> None:
+    # The progress just set shows within a round of the background checks.
+    health_component(client, "projection:sales_by_hour", lambda c: c["late_events"] == 3)
     r = client.get("/health")
     assert r.status_code in (200, 503) and r.mimetype == "application/json"
     components = r.json["components"]
@@ -752,6 +754,7 @@ def test_health_has_a_component_per_projection(
 def test_metrics_expose_projection_lag_and_late_events(
     client: FlaskClient, projections_progress: None
 ) -> None:
+    health_component(client, "projection:sales_by_hour", lambda c: c["late_events"] == 3)
     r = client.get("/metrics", headers=ADMIN)
     assert r.status_code == 200 and r.mimetype == "text/plain"
     samples = {

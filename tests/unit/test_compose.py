@@ -160,7 +160,11 @@ def test_app_commands(compose: dict[str, Any]) -> None:
     assert services["api"]["command"][0] == "api"
     assert services["projector"]["command"] == ["projector"]
     assert services["cdc"]["command"] == ["cdc"]
-    assert "8000:8000" in services["api"]["ports"]
+    # Published on the loopback interface only, never on all of them.
+    assert services["api"]["ports"] == ["127.0.0.1:${LOGFOLD_API_HOST_PORT:-8000}:8000"]
+    for service in services.values():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), port
     assert "localhost:8000/health" in " ".join(services["api"]["healthcheck"]["test"])
 
 
@@ -168,9 +172,23 @@ def test_app_environment(compose: dict[str, Any]) -> None:
     for name in APP_SERVICES:
         env = compose["services"][name]["environment"]
         assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092", name
-        assert env["DATABASE_URL"] == "postgresql://logfold:logfold@postgres:5432/logfold", name
-        assert env["LOGFOLD_JWT_SECRET"] == "${LOGFOLD_JWT_SECRET:-change-me}", name
+        assert env["DATABASE_URL"].startswith("postgresql://logfold:${LOGFOLD_PG_PASSWORD:?")
+        assert env["DATABASE_URL"].endswith("}@postgres:5432/logfold"), name
+        # Required, with no fallback: Compose refuses to start without it, saying why.
+        assert env["LOGFOLD_JWT_SECRET"].startswith("${LOGFOLD_JWT_SECRET:?"), name
+        assert "32 bytes" in env["LOGFOLD_JWT_SECRET"], name
         assert "LOGFOLD_TOPIC_PREFIX" in env, name
+
+
+def test_no_secret_has_a_default(compose: dict[str, Any]) -> None:
+    """A default in a public file is a secret everyone knows (`${X:-…}` / `${X-…}`)."""
+    text = COMPOSE_FILE.read_text(encoding="utf-8")
+    for variable in ("LOGFOLD_JWT_SECRET", "LOGFOLD_PG_PASSWORD"):
+        assert f"${{{variable}:-" not in text and f"${{{variable}-" not in text, variable
+        assert f"${{{variable}:?" in text, variable
+    postgres = compose["services"]["postgres"]["environment"]
+    assert postgres["POSTGRES_PASSWORD"].startswith("${LOGFOLD_PG_PASSWORD:?")
+    assert "change-me" not in text
 
 
 def test_postgres_has_logical_decoding(compose: dict[str, Any]) -> None:

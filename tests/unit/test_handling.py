@@ -87,7 +87,7 @@ def test_idempotency_replays_same_request_and_refuses_a_different_one() -> None:
     from commands.handling import IdempotencyRecord
 
     part = PartitionState()
-    part.idempotency["k"] = IdempotencyRecord("fp-1", 201, {"version": 1})
+    part.idempotency["k"] = IdempotencyRecord("fp-1", 201, {"version": 1}, NOW)
     same = run(
         msg("register-customer", "customer", REGISTER, idempotency_key="k", fingerprint="fp-1"),
         part,
@@ -109,3 +109,41 @@ def test_position_tokens_round_trip_and_reject_garbage() -> None:
         except ValueError:
             continue
         raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_a_key_is_remembered_for_the_retention_then_forgotten_and_memory_shrinks() -> None:
+    from commands.handling import IDEMPOTENCY_RETENTION_S, IdempotencyRecord
+
+    part = PartitionState()
+    day = 24 * 3600.0
+    for i, age in enumerate([8 * day, 7 * day + 1, 7 * day - 1, day]):
+        part.idempotency[f"k{i}"] = IdempotencyRecord("fp", 201, {"version": 1}, NOW - age)
+    kept = run(
+        msg("register-customer", "customer", REGISTER, idempotency_key="k2", fingerprint="fp"),
+        part,
+    )
+    assert kept.replay and kept.status == 201  # 1 s inside the retention: replayed
+    assert list(part.idempotency) == ["k2", "k3"]  # the two older ones are gone from memory
+    again = run(
+        msg("register-customer", "customer", REGISTER, idempotency_key="k1", fingerprint="fp"),
+        part,
+    )
+    assert not again.replay and again.status == 201 and again.events  # forgotten: decided anew
+    assert part.idempotency["k1"].at == NOW  # and remembered from now on
+    assert 7 * day == IDEMPOTENCY_RETENTION_S
+
+
+def test_a_restored_processor_knows_the_same_keys_as_one_that_kept_running() -> None:
+    from commands.handling import IdempotencyRecord
+
+    day = 24 * 3600.0
+    records = {
+        f"k{i}": IdempotencyRecord("fp", 201, {}, NOW - age)
+        for i, age in enumerate([9 * day, 7 * day + 1, 3 * day, 60.0])
+    }
+    running = PartitionState(idempotency=dict(records))
+    running.forget_expired(NOW)
+    restored = PartitionState()
+    for key, record in records.items():  # what the topic may still hold (deletes are lazy)
+        restored.remember(key, record, NOW)
+    assert list(restored.idempotency) == list(running.idempotency) == ["k2", "k3"]

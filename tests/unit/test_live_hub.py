@@ -112,3 +112,27 @@ def test_a_client_that_keeps_up_is_warned_again_only_after_catching_up() -> None
     for i in range(4):
         client.offer({"type": "change", "n": i}, "s")
     assert [m["type"] for m in _taken(client)][-1] == "lagging"
+
+
+def test_the_outbox_is_bounded_in_bytes_too() -> None:
+    client = Client(1000, buffer_bytes=100_000)
+    assert client.offer({"type": "snapshot", "rows": []}, "s", weight=30_000)
+    assert client.offer({"type": "change"}, "s", weight=25_000)  # past half: warned
+    assert [m["type"] for m in client.outbox] == ["snapshot", "change", "lagging"]
+    assert client.queued_bytes >= 55_000
+    assert not client.offer({"type": "change"}, "s", weight=50_000)  # would weigh > 100 kB
+    assert client.close_code == SLOW_CLOSE
+    assert client.queued_bytes < 1000  # what it could not read is dropped
+
+
+def test_a_change_weighs_its_changelog_record() -> None:
+    hub, client = _hub(), Client(1000, buffer_bytes=64 * 1024)
+    hub.subscribe(_sub(client), Position(0, 0))
+    row = {"order_id": "o1", "note": "x" * 40_000}
+    big = Change("orders", "insert", {"order_id": "o1"}, row, None, Position(1, 1), 40_100)
+    hub._apply("orders", [big])
+    assert client.close_code is None and client.warned  # 40 kB queued: past half of 64 kB
+    hub._apply(
+        "orders", [Change("orders", "update", {"order_id": "o1"}, row, row, Position(2, 1), 40_100)]
+    )
+    assert client.close_code == SLOW_CLOSE
