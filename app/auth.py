@@ -45,23 +45,31 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def issue_token(
-    secret: str, subject: str = "developer", scopes: tuple[str, ...] = SCOPES, ttl_s: int = 86400
+    secret: str,
+    subject: str = "developer",
+    scopes: tuple[str, ...] = SCOPES,
+    ttl_s: int = 86400,
+    rows: dict[str, str] | None = None,
 ) -> str:
+    """A signed token. `rows` (column -> value) restricts every read and subscription of a
+    view that has one of those columns to the rows holding those values (guarantee 18)."""
     now = int(time.time())
-    claims = {
+    claims: dict[str, Any] = {
         "sub": subject,
         "scope": " ".join(scopes),
         "iss": ISSUER,
         "iat": now,
         "exp": now + ttl_s,
     }
+    if rows:
+        claims["rows"] = rows
     return jwt.encode(claims, secret, algorithm="HS256")
 
 
 def verify(token: str, secret: str) -> dict[str, Any]:
     """The token's claims; raises ApiError(401) on anything not signed by us or expired."""
     try:
-        return jwt.decode(
+        claims: dict[str, Any] = jwt.decode(
             token,
             secret,
             algorithms=["HS256"],
@@ -72,6 +80,14 @@ def verify(token: str, secret: str) -> dict[str, Any]:
         raise ApiError(401, "unauthorized", "the token has expired; get a new one") from e
     except jwt.InvalidTokenError as e:
         raise ApiError(401, "unauthorized", f"invalid token: {e}") from e
+    rows = claims.get("rows")
+    if rows is not None and not (
+        isinstance(rows, dict)
+        and rows
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in rows.items())
+    ):
+        raise ApiError(401, "unauthorized", "invalid token: `rows` must map columns to values")
+    return claims
 
 
 def bearer_token() -> str | None:
@@ -115,9 +131,34 @@ def require(scope: str) -> Callable[[F], F]:
             claims = verify(token, current_app.config["JWT_SECRET"])
             if scope not in scopes(claims):
                 raise ApiError(403, "forbidden", f"this endpoint needs the {scope!r} scope")
-            g.subject = str(claims["sub"])
+            g.subject, g.rows = str(claims["sub"]), claims.get("rows") or {}
             return view(*args, **kwargs)
 
         return cast(F, wrapper)
 
     return decorate
+
+
+def row_scope(rows: dict[str, str], view: str, columns: tuple[str, ...]) -> dict[str, str]:
+    """The filter a token's row claim forces on `view` (the claim's columns the view has): none
+    without a claim; `403` when the token has a claim and the view none of its columns."""
+    if not rows:
+        return {}
+    forced = {c: v for c, v in rows.items() if c in columns}
+    if not forced:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"this token may read only rows of {sorted(rows)}; {view} has no such column",
+        )
+    return forced
+
+
+def narrowed(filters: dict[str, Any], forced: dict[str, str]) -> dict[str, Any]:
+    """`filters` within the row claim: they may narrow it, never widen it (`403`)."""
+    for column, value in forced.items():
+        if column in filters and str(filters[column]) != value:
+            raise ApiError(
+                403, "forbidden", f"this token may read only rows with {column} = {value!r}"
+            )
+    return {**filters, **forced}

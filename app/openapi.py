@@ -7,8 +7,10 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.views_api import MAX_LIMIT, MAX_WAIT_S
 from commands.registry import COMMANDS
 from commands.schemas import CommandRequest
+from projections.registry import VIEWS
 
 ERRORS = {
     "400": "malformed_json",
@@ -118,23 +120,8 @@ def build_spec() -> dict[str, Any]:
                 },
             }
         }
-    paths["/health"] = {
-        "get": {
-            "summary": "Health of each component",
-            "security": [],
-            "responses": {
-                "200": {"description": "all up"},
-                "503": {"description": "a component is down"},
-            },
-        }
-    }
-    paths["/metrics"] = {
-        "get": {
-            "summary": "Prometheus metrics",
-            "security": [{"bearer": ["admin"]}],
-            "responses": {"200": {"description": "text exposition format"}},
-        }
-    }
+    paths.update(view_paths(errors))
+    paths.update(operations_paths(errors))
     return {
         "openapi": "3.1.0",
         "info": {
@@ -150,4 +137,214 @@ def build_spec() -> dict[str, Any]:
             },
         },
         "paths": paths,
+    }
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _pick(errors: dict[str, Any], *codes: str) -> dict[str, Any]:
+    return {code: errors[code] for code in codes}
+
+
+def _column_schema(python_type: type) -> dict[str, Any]:
+    """A view column's value as the API writes it (timestamps as ISO-8601 UTC strings)."""
+    if python_type is bool:
+        return {"type": "boolean"}
+    if python_type is int:
+        return {"type": "integer"}
+    if python_type is float:
+        return {"type": "number"}
+    if python_type.__name__ == "datetime":
+        return {"type": "string", "format": "date-time"}
+    return {"type": "string"}
+
+
+CONSISTENCY = [
+    {
+        "name": "consistent_with",
+        "in": "query",
+        "required": False,
+        "description": "a command's `position`: answer once the view includes it",
+        "schema": {"type": "string", "maxLength": 200},
+    },
+    {
+        "name": "wait",
+        "in": "query",
+        "required": False,
+        "description": "seconds to wait for `consistent_with` (default 5)",
+        "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S},
+    },
+    {
+        "name": "X-Consistent-With",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "maxLength": 200},
+    },
+]
+
+
+def view_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    """`GET /views`, and for every view its rows (filters, paging, read-your-writes) and one row
+    by key. A token's row claim narrows every one of them (API.md, Auth)."""
+    failures = _pick(errors, "401", "403", "404", "422", "503", "504")
+    paths: dict[str, Any] = {
+        "/views": {
+            "get": {
+                "summary": "The views, with their key, filterable columns and lag",
+                "operationId": "list_views",
+                "tags": ["views"],
+                "security": [{"bearer": ["views:read"]}],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["views"],
+                            "properties": {"views": {"type": "array", "items": {"type": "object"}}},
+                        },
+                        "every view",
+                    ),
+                    **_pick(errors, "401", "403", "503"),
+                },
+            }
+        }
+    }
+    for name, (_, view) in VIEWS.items():
+        columns = {c.name: _column_schema(c.type.python_type) for c in view.table.columns}
+        row = {"type": "object", "properties": columns}
+        filters = [
+            {"name": c, "in": "query", "required": False, "schema": {"type": "string"}}
+            for c in view.filterable
+        ]
+        key = ",".join(view.key)
+        paths[f"/views/{name}"] = {
+            "get": {
+                "summary": f"Rows of {name}, in key order",
+                "operationId": f"list_{name}",
+                "tags": ["views"],
+                "security": [{"bearer": ["views:read"]}],
+                "parameters": [
+                    *filters,
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
+                    },
+                    {
+                        "name": "cursor",
+                        "in": "query",
+                        "required": False,
+                        "description": "`next` of the previous page",
+                        "schema": {"type": "string"},
+                    },
+                    *CONSISTENCY,
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["rows", "next"],
+                            "properties": {
+                                "rows": {"type": "array", "items": row},
+                                "next": {"type": ["string", "null"]},
+                            },
+                        },
+                        "a page of rows",
+                    ),
+                    **failures,
+                },
+            }
+        }
+        paths[f"/views/{name}/{{key}}"] = {
+            "get": {
+                "summary": f"One row of {name} by its key ({key}, joined with `,`)",
+                "operationId": f"get_{name}",
+                "tags": ["views"],
+                "security": [{"bearer": ["views:read"]}],
+                "parameters": [
+                    {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}},
+                    *CONSISTENCY,
+                ],
+                "responses": {"200": _json(row, "the row"), **failures},
+            }
+        }
+    return paths
+
+
+def operations_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    health = {
+        "type": "object",
+        "required": ["status", "components"],
+        "properties": {
+            "status": {"enum": ["up", "down"]},
+            "components": {
+                "type": "object",
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["status"],
+                    "properties": {"status": {"type": "string"}},
+                },
+            },
+        },
+    }
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "/health": {
+            "get": {
+                "summary": "Readiness: each component, from background checks (admins see errors)",
+                "operationId": "health",
+                "tags": ["operations"],
+                "security": [],
+                "responses": {
+                    "200": _json(health, "every component is up"),
+                    "503": _json(health, "a component is down (see Retry-After)"),
+                },
+            }
+        },
+        "/health/live": {
+            "get": {
+                "summary": "Liveness: the process serves requests",
+                "operationId": "live",
+                "tags": ["operations"],
+                "security": [],
+                "responses": {"200": _json({"type": "object"}, "alive")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "operationId": "metrics",
+                "tags": ["operations"],
+                "security": [{"bearer": ["admin"]}],
+                "responses": {
+                    "200": {"description": "text exposition format", "content": text},
+                    **_pick(errors, "401", "403"),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "operationId": "openapi",
+                "tags": ["operations"],
+                "security": [],
+                "responses": {"200": _json({"type": "object"}, "the OpenAPI document")},
+            }
+        },
+        "/docs": {
+            "get": {
+                "summary": "This document, for people",
+                "operationId": "docs",
+                "tags": ["operations"],
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "an HTML page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
     }

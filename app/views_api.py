@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request
 from kafka.errors import KafkaError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app.auth import require
+from app.auth import narrowed, require, row_scope
 from app.errors import ApiError
 from app.read_model import BadValue, ReadModel
 from commands.messages import Position
@@ -31,6 +31,11 @@ def _view(name: str) -> tuple[Fold, View]:
     if found is None:
         raise ApiError(404, "not_found", f"unknown view {name!r}; GET /views lists them")
     return found
+
+
+def _forced(output: View) -> dict[str, str]:
+    """The filter the token's row claim forces on `output` (403 if it may read none of it)."""
+    return row_scope(g.rows, output.name, output.columns)
 
 
 def _number(name: str, default: float, low: float, high: float) -> float:
@@ -133,6 +138,7 @@ def list_rows(view: str) -> Response:
                 for k in unknown
             ],
         )
+    filters = narrowed(filters, _forced(output))
     limit = int(_number("limit", 50, 1, MAX_LIMIT))
     _consistent(projection)
     try:
@@ -155,11 +161,12 @@ def get_row(view: str, key: str) -> Response:
             "wrong key",
             [{"field": "key", "problem": f"give {','.join(output.key)}"}],
         )
+    forced = _forced(output)
     _consistent(projection)
     try:
         row = _model().row(output, parts)
     except BadValue as e:
         raise ApiError(422, "validation_failed", str(e), [{"problem": str(e)}]) from e
-    if row is None:
-        raise ApiError(404, "not_found", f"no row {key!r} in {view}")
+    if row is None or any(str(row[c]) != v for c, v in forced.items()):
+        raise ApiError(404, "not_found", f"no row {key!r} in {view}")  # or not this token's
     return jsonify(row)

@@ -21,7 +21,7 @@ from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app.auth import scopes, verify
+from app.auth import narrowed, row_scope, scopes, verify
 from app.errors import ApiError
 from app.live import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, ReadModel
@@ -241,6 +241,7 @@ class Connection:
         if "views:read" not in scopes(claims):
             return self._refuse(FORBIDDEN, "forbidden", "subscribing needs the 'views:read' scope")
         self.subject, self.expires_at = str(claims["sub"]), float(claims["exp"])
+        self.rows: dict[str, str] = claims.get("rows") or {}
         return True
 
     def _refuse(self, close_code: int, code: str, message: str) -> bool:
@@ -344,8 +345,12 @@ class Connection:
                 f"cannot filter {m.view} on {unknown}; filterable: {sorted(allowed)}",
                 m.id,
             )
+        try:  # the token's row claim: the filter may narrow it, never widen it
+            claimed = narrowed(m.filter, row_scope(self.rows, m.view, output.columns))
+        except ApiError as e:
+            raise Problem(e.code, e.message, m.id) from e
         try:
-            wanted = self.model.filter_values(output, m.filter)
+            wanted = self.model.filter_values(output, claimed)
         except BadValue as e:
             raise Problem("validation_failed", str(e), m.id) from e
         since = None

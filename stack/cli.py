@@ -256,11 +256,32 @@ def topics(create: bool) -> None:
 )
 @click.option("--subject", default="developer", show_default=True, help="The token's subject.")
 @click.option("--ttl", default=86400, show_default=True, help="Lifetime in seconds.")
-def token(scopes: tuple[str, ...], subject: str, ttl: int) -> None:
+@click.option(
+    "--rows",
+    "rows",
+    multiple=True,
+    metavar="COLUMN=VALUE",
+    help="Restrict reads and subscriptions to rows with this value (repeatable), e.g. "
+    "customer_id=c-1: views with the column show only those rows, views without it are 403.",
+)
+def token(scopes: tuple[str, ...], subject: str, ttl: int, rows: tuple[str, ...]) -> None:
     """Print a bearer token signed with LOGFOLD_JWT_SECRET (or the local stack's secret)."""
     from app.auth import SCOPES, issue_token
+    from projections.registry import VIEWS
 
-    click.echo(issue_token(_secret(_settings()), subject, scopes or SCOPES, ttl))
+    known = sorted({c for _, view in VIEWS.values() for c in view.columns})
+    claim = {}
+    for item in rows:
+        column, sep, value = item.partition("=")
+        if not sep or not column or not value:
+            raise click.BadParameter(f"{item!r} is not COLUMN=VALUE", param_hint="--rows")
+        if column not in known:
+            raise click.BadParameter(
+                f"no view has a column {column!r}; columns: {', '.join(known)}",
+                param_hint="--rows",
+            )
+        claim[column] = value
+    click.echo(issue_token(_secret(_settings()), subject, scopes or SCOPES, ttl, claim or None))
 
 
 def _secret(settings: Settings) -> str:

@@ -1,16 +1,21 @@
 """A Postgres server from the Debian binaries, with its own data directory and port, configured
-for logical decoding. Run as the unprivileged `postgres` user when started by root."""
+for logical decoding, with password authentication. Run as the unprivileged `postgres` user
+when started by root."""
 
 from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from psycopg import sql
+
 from stack.procs import is_root, stop_process, wait_until
+from stack.stack_env import write_private
 
 SERVER_CONF = {
     "listen_addresses": "127.0.0.1",
@@ -23,6 +28,12 @@ SERVER_CONF = {
     "shared_buffers": "256MB",
     "log_min_messages": "warning",
 }
+
+
+def _method(line: str) -> str | None:
+    """The auth method of a pg_hba.conf line (its last field), None for comments."""
+    fields = line.split("#", 1)[0].split()
+    return fields[-1] if fields else None
 
 
 def find_bindir() -> Path:
@@ -43,6 +54,9 @@ def find_bindir() -> Path:
 
 
 class LocalPostgres:
+    """Password authentication (scram-sha-256) on 127.0.0.1 only: the `logfold` role's password
+    is generated into the data directory (mode 0600) when the server is first made."""
+
     def __init__(self, data_dir: Path, port: int, database: str = "logfold") -> None:
         self.bindir = find_bindir()
         self.data_dir = data_dir
@@ -51,8 +65,25 @@ class LocalPostgres:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def password_file(self) -> Path:
+        return self.data_dir / "password"
+
+    def password(self) -> str:
+        if not self.password_file.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            write_private(self.password_file, secrets.token_urlsafe(24), replace=False)
+            if is_root():  # initdb, run as the server's user, reads it
+                pw = pwd.getpwnam("postgres")
+                os.chown(self.password_file, pw.pw_uid, pw.pw_gid)
+        return self.password_file.read_text().strip()
+
+    def _password_file_made(self) -> Path:
+        self.password()
+        return self.password_file
+
+    @property
     def url(self) -> str:
-        return f"postgresql://logfold@127.0.0.1:{self.port}/{self.database}"
+        return self._url(self.database)
 
     def _as_owner(self) -> dict[str, Any]:
         return {"user": "postgres", "group": "postgres"} if is_root() else {}
@@ -81,7 +112,8 @@ class LocalPostgres:
                     "-U",
                     "logfold",
                     "-A",
-                    "trust",
+                    "scram-sha-256",
+                    f"--pwfile={self._password_file_made()}",
                     "-E",
                     "UTF8",
                     "--locale=C.UTF-8",
@@ -100,6 +132,7 @@ class LocalPostgres:
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **self._as_owner()
         )
         wait_until(self._ready, timeout, f"Postgres on port {self.port} (log: {log.name})")
+        self._require_passwords(pgdata)
         self._ensure_database()
 
     def _ready(self) -> bool:
@@ -111,7 +144,26 @@ class LocalPostgres:
             return True
 
     def _url(self, database: str) -> str:
-        return f"postgresql://logfold@127.0.0.1:{self.port}/{database}"
+        return f"postgresql://logfold:{self.password()}@127.0.0.1:{self.port}/{database}"
+
+    def _require_passwords(self, pgdata: Path) -> None:
+        """A data directory made before passwords (`initdb -A trust`) gets one now: the role's
+        password set, then every `trust` line of pg_hba.conf made `scram-sha-256`."""
+        import psycopg
+
+        hba = pgdata / "pg_hba.conf"
+        lines = hba.read_text().splitlines(keepends=True)
+        trusting = [i for i, line in enumerate(lines) if _method(line) == "trust"]
+        if not trusting:
+            return
+        with psycopg.connect(self._url("postgres"), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER ROLE logfold PASSWORD {}").format(sql.Literal(self.password()))
+            )
+            for i in trusting:
+                lines[i] = lines[i].rstrip()[: -len("trust")] + "scram-sha-256\n"
+            hba.write_text("".join(lines))  # keeps its owner (the server's user) and mode
+            conn.execute("SELECT pg_reload_conf()")
 
     def _ensure_database(self) -> None:
         import psycopg

@@ -32,8 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 SECRET = "test-secret-not-for-production-use-0123456789"
 
 
-def token(*scopes: str, subject: str = "tester", ttl: int = 3600) -> str:
-    return issue_token(SECRET, subject, scopes or SCOPES, ttl)
+def token(
+    *scopes: str, subject: str = "tester", ttl: int = 3600, rows: dict[str, str] | None = None
+) -> str:
+    return issue_token(SECRET, subject, scopes or SCOPES, ttl, rows)
 
 
 def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]]) -> None:

@@ -190,6 +190,16 @@ def second_terminal(stack: RunningStack, data_dir: Path) -> None:
     )
     assert r.status_code == 200, r.text  # signed with the running stack's secret
 
+    # A token for one customer's browser: only that customer's rows, no view without them.
+    own = cli(stack.env, "token", "--scope", "views:read", "--rows", "customer_id=nobody")
+    assert own.returncode == 0, own.stderr
+    auth = {"Authorization": f"Bearer {own.stdout.strip()}"}
+    customers = requests.get(f"{stack.base}/views/customers", headers=auth, timeout=30)
+    assert customers.status_code == 200 and customers.json()["rows"] == [], customers.text
+    assert requests.get(f"{stack.base}/views/books", headers=auth, timeout=30).status_code == 403
+    typo = cli(stack.env, "token", "--rows", "custmer_id=x")
+    assert typo.returncode == 2 and "no view has a column 'custmer_id'" in typo.stderr
+
     topics = cli(stack.env, "topics")
     assert topics.returncode == 0 and "ok " in topics.stdout, topics.stderr
 

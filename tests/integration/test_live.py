@@ -349,3 +349,44 @@ def test_a_snapshot_heavier_than_the_outbox_may_hold_is_refused(
     client.subscribe("ok", "books")
     client.wait_for(_has_snapshot(client, "ok"), "a small snapshot still works")
     client.close()
+
+
+def test_a_row_claim_restricts_subscriptions_and_a_row_leaving_it_is_a_delete(
+    serve: Serve, deployment: Settings
+) -> None:
+    url, _ = serve()
+    tag = uuid.uuid4().hex[:8]
+    mine, theirs = f"mine-{tag}", f"theirs-{tag}"
+
+    def order(order_id: str, customer: str, version: int, status: str = "placed") -> None:
+        with psycopg.connect(deployment.database(), autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO orders (order_id, customer_id, status, total_cents, line_count, "
+                "placed_at, version) VALUES (%s, %s, %s, 100, 1, now(), %s) "
+                "ON CONFLICT (order_id) DO UPDATE SET customer_id = excluded.customer_id, "
+                "status = excluded.status, version = excluded.version",
+                (order_id, customer, status, version),
+            )
+
+    order(f"a-{tag}", mine, 1)
+    order(f"b-{tag}", theirs, 1)
+    client = WsClient(url, token("views:read", rows={"customer_id": mine}))
+    client.subscribe("s", "orders")  # no filter: the claim is the filter
+    client.wait_for(_has_snapshot(client, "s"), "snapshot")
+    assert [r["order_id"] for r in client.of("s", "snapshot")[0]["rows"]] == [f"a-{tag}"]
+
+    order(f"c-{tag}", theirs, 1)  # not theirs to see
+    order(f"a-{tag}", mine, 2, "paid")
+    order(f"a-{tag}", theirs, 3, "paid")  # the row moves out of the claim: a delete
+    client.wait_for(lambda: len(client.of("s", "change")) >= 2, "two changes")
+    changes = [(m["op"], m["key"]["order_id"]) for m in client.of("s", "change")]
+    assert changes == [("upsert", f"a-{tag}"), ("delete", f"a-{tag}")], changes
+    assert all(
+        m["row"] is None or m["row"]["customer_id"] == mine for m in client.of("s", "change")
+    )
+
+    for sub_id, view, filter in (("w", "orders", {"customer_id": theirs}), ("b", "books", {})):
+        client.subscribe(sub_id, view, filter)
+        client.wait_for(lambda s=sub_id: bool(client.of(s, "error")), f"{sub_id} refused")
+        assert client.of(sub_id, "error")[0]["code"] == "forbidden"
+    client.close()

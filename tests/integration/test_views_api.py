@@ -790,3 +790,56 @@ def test_health_counts_unapplied_events_as_projection_lag(
 
     wait_until(lagging, 15, "customers lag in /health")  # end offsets are cached for 1 s
     assert ends["projection:customers"]["status"] == "up"  # behind, but not stale
+
+
+# --- row-level access (guarantee 18) ---------------------------------------------------------
+
+
+def test_a_row_claim_restricts_every_read_of_views_with_that_column(
+    client: FlaskClient, deployment: Settings
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    mine, theirs = f"mine-{tag}", f"theirs-{tag}"
+    add_customer(deployment, mine, name=f"Me {tag}")
+    add_customer(deployment, theirs, name=f"Them {tag}")
+    for n, (customer, status) in enumerate([(mine, "placed"), (mine, "paid"), (theirs, "paid")]):
+        add_order(deployment, f"o-{tag}-{n}", customer, status)
+    own = {"Authorization": f"Bearer {token('views:read', rows={'customer_id': mine})}"}
+
+    def ids(path: str) -> set[str]:
+        r = client.get(path, headers=own)
+        assert r.status_code == 200, r.json
+        return {row["order_id"] for row in r.json["rows"]}
+
+    everyone = client.get("/views/orders?limit=500", headers=READER).json["rows"]
+    assert {r["customer_id"] for r in everyone} >= {mine, theirs}
+    assert ids("/views/orders?limit=500") == {f"o-{tag}-0", f"o-{tag}-1"}
+    assert ids("/views/orders?status=paid") == {f"o-{tag}-1"}  # a filter narrows it
+    assert ids(f"/views/orders?customer_id={mine}") == {f"o-{tag}-0", f"o-{tag}-1"}
+    widened = client.get(f"/views/orders?customer_id={theirs}", headers=own)
+    assert widened.status_code == 403 and widened.json["error"]["code"] == "forbidden"
+
+    assert client.get(f"/views/orders/o-{tag}-0", headers=own).status_code == 200
+    other = client.get(f"/views/orders/o-{tag}-2", headers=own)  # exists, but not theirs
+    assert other.status_code == 404 and other.json["error"]["code"] == "not_found"
+    assert client.get(f"/views/customers/{mine}", headers=own).json["name"] == f"Me {tag}"
+    assert client.get(f"/views/customers/{theirs}", headers=own).status_code == 404
+    customers = client.get("/views/customers?limit=500", headers=own).json["rows"]
+    assert [c["customer_id"] for c in customers] == [mine]
+
+    books = client.get("/views/books", headers=own)  # no customer_id column: nothing to see
+    assert books.status_code == 403 and "customer_id" in books.json["error"]["message"]
+    assert client.get("/views/books/dune", headers=own).status_code == 403
+
+
+def test_a_malformed_row_claim_is_an_invalid_token(client: FlaskClient) -> None:
+    import jwt
+
+    from tests.support import SECRET
+
+    now = int(time.time())
+    claims = {"sub": "x", "scope": "views:read", "iss": "logfold", "iat": now, "exp": now + 60}
+    for rows in ({}, {"customer_id": 7}, ["customer_id"], "c-1"):
+        bad = jwt.encode({**claims, "rows": rows}, SECRET, algorithm="HS256")
+        r = client.get("/views/orders", headers={"Authorization": f"Bearer {bad}"})
+        assert r.status_code == 401, (rows, r.json)

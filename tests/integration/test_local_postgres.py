@@ -1,0 +1,56 @@
+"""The local Postgres asks for a password (scram-sha-256 on 127.0.0.1): knowing the port is not
+enough. A data directory made before passwords (trust) gets one when the stack starts it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from stack.local_postgres import LocalPostgres
+from stack.procs import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def without_password(server: LocalPostgres) -> str:
+    return f"postgresql://logfold@127.0.0.1:{server.port}/postgres"
+
+
+def refuses_without_password(server: LocalPostgres) -> bool:
+    try:
+        with psycopg.connect(without_password(server), connect_timeout=5):
+            return False
+    except psycopg.OperationalError as e:
+        return "password" in str(e)
+
+
+def test_the_local_server_needs_the_password(postgres: LocalPostgres) -> None:
+    assert refuses_without_password(postgres)
+    wrong = postgres.url.replace(postgres.password(), "guess")
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(wrong, connect_timeout=5)
+    with psycopg.connect(postgres.url) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert postgres.password_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_data_directory_made_with_trust_gets_a_password(workdir: Path) -> None:
+    server = LocalPostgres(Path(tempfile.mkdtemp(prefix="pg-trust-", dir=workdir)), free_port())
+    server.start()
+    server.stop()
+    hba = server.data_dir / "pgdata" / "pg_hba.conf"
+    hba.write_text(hba.read_text().replace("scram-sha-256", "trust"))  # as older versions made
+    server.start()
+    try:
+        rules = [
+            ln.split() for ln in hba.read_text().splitlines() if ln.strip()[:1] not in ("", "#")
+        ]
+        assert rules and all(rule[-1] == "scram-sha-256" for rule in rules), rules
+        assert refuses_without_password(server)
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        server.stop()
