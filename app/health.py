@@ -109,7 +109,9 @@ class HealthChecks:
         makes the server keep. `wal_status` `lost` means the slot fell beyond
         `max_slot_wal_keep_size`: drop it (`logfold cdc --drop-slot`) and start CDC again."""
         slot = slot_name(self.settings)
-        with psycopg.connect(self.settings.database(), connect_timeout=self._connect_s()) as conn:
+        with psycopg.connect(
+            self.settings.api_database(), connect_timeout=self._connect_s()
+        ) as conn:
             row = conn.execute(
                 "SELECT s.active, s.wal_status, "
                 "pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint, "
@@ -162,7 +164,9 @@ class HealthChecks:
         return {"status": "up", "brokers": len(brokers)}
 
     def postgres(self) -> Status:
-        with psycopg.connect(self.settings.database(), connect_timeout=self._connect_s()) as conn:
+        with psycopg.connect(
+            self.settings.api_database(), connect_timeout=self._connect_s()
+        ) as conn:
             conn.execute("SELECT 1")
         return {"status": "up"}
 

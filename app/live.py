@@ -3,9 +3,14 @@
 The hub follows the `cdc.<table>` changelogs (one consumer per API process) and hands each change
 to the subscriptions it concerns. Every change carries its position in the WAL, so:
 
-- a subscription starts with a snapshot taken at a known position (`snapshot_at`: the table is
-  briefly share-locked so that every transaction that wrote it before that position is visible
-  and none after), then gets exactly the changes after that position;
+- a subscription starts with a snapshot read in a REPEATABLE READ transaction (nothing is
+  locked; writers go on), then gets exactly the changes of the transactions that snapshot does
+  not see: every change carries its transaction id, and `pg_current_snapshot()` says which
+  transactions the rows include (below xmin: ended; from xmax on, or running: not included).
+  The hub serves it only while its history holds every transaction from the snapshot's xmin
+  on; otherwise the connection takes a new snapshot. (A hub that started mid-changelog has
+  not seen what came before its history: a transaction among those is one that committed
+  before the hub started, so every snapshot taken once the hub is ready sees it.)
 - a client that reconnects with `since` gets the changes after it from the hub's recent history
   (the last `LOGFOLD_WS_REPLAY` changes of each table, refilled from Kafka on start), or a
   `resync` when its position is older than that;
@@ -30,7 +35,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from cdc.changes import Change, Position, from_record
+from cdc.changes import Change, Position, Snapshot, from_record, widen
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,14 @@ class Subscription:
     filter: dict[str, Any]  # column -> value in wire form
     client: Client
     after: Position = FLOOR  # the last position this subscription has been sent
+    # Started from a snapshot: the changes of the transactions it sees are in it already.
+    snapshot: Snapshot | None = None
+
+    def has(self, change: Change) -> bool:
+        """Whether this subscription has `change` already (in its snapshot, or sent)."""
+        if self.snapshot is not None and self.snapshot.sees(change.xid):
+            return True
+        return change.position <= self.after
 
     def matches(self, row: dict[str, Any] | None) -> bool:
         return row is not None and all(row.get(c) == v for c, v in self.filter.items())
@@ -153,6 +166,11 @@ class _Table:
     last: Position = FLOOR  # the newest position seen (older ones are resends)
     served_from: Position | None = None  # `since` at or after this can be served; None: any
     subscriptions: set[Subscription] = field(default_factory=set)
+    newest_xid: int | None = None  # of the changes seen, widened to 64 bits as they come
+    dropped_xid: int | None = None  # the newest transaction of the changes dropped from the ring
+
+    def widened(self, xid: int) -> int:
+        return widen(xid, self.newest_xid if self.newest_xid is not None else xid)
 
 
 class Unservable(Exception):
@@ -253,12 +271,18 @@ class Hub:
                 if t.served_from == UNKNOWN:
                     t.served_from = change.position
                 t.last = change.position
+                if change.xid is not None:
+                    t.newest_xid = max(t.newest_xid or 0, t.widened(change.xid))
                 t.ring.append(change)
                 if len(t.ring) > self.replay:
-                    t.served_from = t.ring.popleft().position
+                    dropped = t.ring.popleft()
+                    t.served_from = dropped.position
+                    if dropped.xid is not None:
+                        x = t.widened(dropped.xid)
+                        t.dropped_xid = x if t.dropped_xid is None else max(t.dropped_xid, x)
                 for sub in list(t.subscriptions):
-                    if change.position <= sub.after:
-                        continue  # already in its snapshot
+                    if sub.has(change):
+                        continue  # in its snapshot, or sent
                     message = sub.message_for(change)
                     if message is not None and sub.client.offer(message, sub.id, change.size):
                         sub.after = change.position
@@ -299,22 +323,30 @@ class Hub:
     def subscribe(
         self,
         sub: Subscription,
-        after: Position,
+        after: Position | Snapshot,
         first: dict[str, Any] | None = None,
         first_weight: int = 0,
     ) -> None:
-        """Start streaming the changes after `after` to `sub`, atomically with queueing `first`
-        (its snapshot) and the changes after `after` the hub already has. Raises Unservable
-        when the hub's history of the table does not reach back to `after`."""
+        """Start streaming to `sub` the changes it does not have: those after the position
+        `after`, or, from a snapshot, those of the transactions it does not see. Atomically
+        queues `first` (the snapshot's rows) and the matching changes the hub already has.
+        Raises Unservable when the hub's history of the table does not reach back far enough:
+        before the position, or (snapshot) to every transaction the snapshot might not see."""
         with self.lock:
             t = self.tables[sub.table]
-            if t.served_from is not None and after < t.served_from:
-                raise Unservable(sub.table)
-            sub.after = after
+            if isinstance(after, Snapshot):
+                dropped = t.dropped_xid
+                if dropped is not None and widen(dropped, after.xmax) >= after.xmin:
+                    raise Unservable(sub.table)
+                sub.snapshot, sub.after = after, FLOOR
+            else:
+                if t.served_from is not None and after < t.served_from:
+                    raise Unservable(sub.table)
+                sub.snapshot, sub.after = None, after
             if first is not None:
                 sub.client.offer(first, sub.id, first_weight)
             for change in t.ring:
-                if change.position > after:
+                if not sub.has(change):
                     message = sub.message_for(change)
                     if message is not None and sub.client.offer(message, sub.id, change.size):
                         sub.after = change.position

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.capture import slot_name
+from cdc.changes import Snapshot
 from commands.messages import Position
 from projections.base import Fold, View
 from projections.progress import table as progress_table
@@ -78,7 +79,7 @@ class ReadModel:
         self.settings = settings
         self.topics = Topics(settings.topic_prefix)
         self.engine = sa.create_engine(
-            sqlalchemy_url(settings.database()),
+            sqlalchemy_url(settings.api_database()),
             pool_size=10,
             max_overflow=20,
             pool_pre_ping=True,
@@ -125,22 +126,24 @@ class ReadModel:
 
     def snapshot(
         self, output: View, filters: dict[str, Any], limit: int
-    ) -> tuple[list[dict[str, Any]], int]:
-        """The rows matching `filters` (at most limit + 1) and the WAL position they are exact
-        at: the table is share-locked (writers wait a moment, readers do not) so every
-        transaction that wrote it before the position is visible and none after."""
+    ) -> tuple[list[dict[str, Any]], Snapshot]:
+        """The rows matching `filters` (at most limit + 1) and the MVCC snapshot they were read
+        in: one REPEATABLE READ transaction, so the rows hold exactly the changes of the
+        transactions it sees. Nothing is locked: writers go on (the websocket stream hands
+        off by transaction, see app/live.py)."""
         t = output.table
         query = sa.select(t).order_by(*(t.c[k] for k in output.key)).limit(limit + 1)
         for column, value in filters.items():
             c = t.c[column]
             query = query.where(c.is_(None) if value is None else c == coerce(c, value))
-        with self.engine.begin() as conn:
-            conn.execute(sa.text("SET LOCAL lock_timeout = '5s'"))
-            conn.execute(sa.text(f"LOCK TABLE {t.name} IN SHARE MODE"))
-            lsn = conn.execute(sa.text("SELECT pg_current_wal_insert_lsn()::text")).scalar_one()
-            found = conn.execute(query).fetchall()
-        high, _, low = lsn.partition("/")
-        return [jsonable(r) for r in found], (int(high, 16) << 32) | int(low, 16)
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                conn.execute(sa.text("SET TRANSACTION READ ONLY"))
+                # The first query takes the transaction's snapshot; the rows use the same.
+                seen = conn.execute(sa.text("SELECT pg_current_snapshot()::text")).scalar_one()
+                found = conn.execute(query).fetchall()
+        return [jsonable(r) for r in found], Snapshot.parse(seen)
 
     def progress(self) -> dict[str, dict[str, Any]]:
         with self.engine.connect() as conn:

@@ -25,7 +25,7 @@ from app.auth import narrowed, row_scope, scopes, verify
 from app.errors import ApiError
 from app.live import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, ReadModel
-from cdc.changes import Position
+from cdc.changes import Position, Snapshot
 from commands.messages import Position as CommandPosition
 from projections.base import Fold
 from projections.registry import VIEWS
@@ -49,7 +49,7 @@ class Subscribe(BaseModel):
     id: str = Field(min_length=1, max_length=64)
     view: str = Field(min_length=1, max_length=100)
     filter: dict[str, Scalar] = Field(default_factory=dict, max_length=16)
-    since: str | None = Field(default=None, max_length=64)
+    since: str | None = Field(default=None, max_length=4096)  # a snapshot lists its xip
     # Read-your-writes: take the snapshot once the view includes this command position.
     consistent_with: str | None = Field(default=None, max_length=200)
     wait: float = Field(default=DEFAULT_WAIT_S, ge=0, le=MAX_WAIT_S)
@@ -353,10 +353,10 @@ class Connection:
             wanted = self.model.filter_values(output, claimed)
         except BadValue as e:
             raise Problem("validation_failed", str(e), m.id) from e
-        since = None
-        if m.since is not None:
+        since: Position | Snapshot | None = None
+        if m.since is not None:  # a change's position, or a snapshot's (nothing received after)
             try:
-                since = Position.parse(m.since)
+                since = Snapshot.parse(m.since) if ":" in m.since else Position.parse(m.since)
             except ValueError as e:
                 raise Problem("validation_failed", str(e), m.id) from e
         if m.consistent_with is not None:
@@ -392,7 +392,7 @@ class Connection:
             lag=lag,
         )
 
-    def _start(self, sub: Subscription, since: Position | None) -> None:
+    def _start(self, sub: Subscription, since: Position | Snapshot | None) -> None:
         if not self.hub.ready.wait(HUB_WAIT_S):
             raise Problem("unavailable", "the changelogs are not readable yet; retry", sub.id)
         if since is not None:
@@ -408,7 +408,7 @@ class Connection:
         limit = self.settings.ws_snapshot_rows
         for _ in range(3):
             try:
-                rows, lsn = self.model.snapshot(output, sub.filter, limit)
+                rows, snapshot = self.model.snapshot(output, sub.filter, limit)
             except (OperationalError, PoolTimeout) as e:
                 raise Problem("unavailable", "the database is unavailable; retry", sub.id) from e
             if len(rows) > limit:
@@ -425,10 +425,9 @@ class Connection:
                     "(LOGFOLD_WS_BUFFER_BYTES / 2); narrow the filter",
                     sub.id,
                 )
-            at = Position(lsn, 0)
-            first = {"type": "snapshot", "id": sub.id, "rows": rows, "position": str(at)}
+            first = {"type": "snapshot", "id": sub.id, "rows": rows, "position": str(snapshot)}
             try:
-                self.hub.subscribe(sub, at, first, weight)
+                self.hub.subscribe(sub, snapshot, first, weight)
                 return
             except Unservable:
                 continue  # the hub's history moved past the snapshot meanwhile: take another

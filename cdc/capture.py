@@ -185,7 +185,9 @@ class Capture:
                     self._confirm(cur, producer, pending)
             elif isinstance(message, pgoutput.Insert | pgoutput.Update | pgoutput.Delete):
                 assert begin is not None
-                change = self._change(message, Position(begin.final_lsn, len(changes) + 1))
+                change = self._change(
+                    message, Position(begin.final_lsn, len(changes) + 1), begin.xid
+                )
                 if change is not None:
                     changes.append(change)
 
@@ -211,6 +213,7 @@ class Capture:
         self,
         message: pgoutput.Insert | pgoutput.Update | pgoutput.Delete,
         position: Position,
+        xid: int,
     ) -> Change | None:
         relation = self._relations[message.relation]
         table = self.tables.get(relation.name)
@@ -219,17 +222,20 @@ class Capture:
         if isinstance(message, pgoutput.Delete):
             before = self._row(relation, message.old)
             assert before is not None
-            return Change(relation.name, "delete", self._key(table, before), None, before, position)
+            key = self._key(table, before)
+            return Change(relation.name, "delete", key, None, before, position, xid=xid)
         if isinstance(message, pgoutput.Insert):
             row = self._row(relation, message.new)
             assert row is not None
-            return Change(relation.name, "insert", self._key(table, row), row, None, position)
+            key = self._key(table, row)
+            return Change(relation.name, "insert", key, row, None, position, xid=xid)
         before = self._row(relation, message.old)
         row = self._row(relation, message.new, fill=before)
         assert row is not None
         if row == before:
             return None  # nothing changed (e.g. an upsert that wrote the same values)
-        return Change(relation.name, "update", self._key(table, row), row, before, position)
+        key = self._key(table, row)
+        return Change(relation.name, "update", key, row, before, position, xid=xid)
 
     @staticmethod
     def _row(

@@ -38,6 +38,62 @@ class Change:
     before: dict[str, Any] | None  # the old row of an update or delete
     position: Position
     size: int = field(default=0, compare=False)  # bytes of its record (what it weighs queued)
+    xid: int | None = field(default=None, compare=False)  # its transaction (32-bit); None: the
+    # slot's first snapshot
+
+
+XID_SPAN = 1 << 32
+
+
+def widen(xid: int, near: int) -> int:
+    """A 32-bit transaction id as the 64-bit one (epoch and xid, as `pg_current_snapshot()`
+    gives them) nearest to `near`: ids within 2^31 of each other compare right."""
+    full = (near & ~(XID_SPAN - 1)) | (xid & (XID_SPAN - 1))
+    if full - near > XID_SPAN // 2:
+        return full - XID_SPAN
+    if near - full > XID_SPAN // 2:
+        return full + XID_SPAN
+    return full
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A Postgres MVCC snapshot (`pg_current_snapshot()`): which transactions it sees. Every
+    transaction below `xmin` had ended; from `xmax` on none had started; those in `xip` were
+    running. A websocket snapshot read in it holds exactly the changes of the transactions it
+    sees; every other change comes after it in the stream."""
+
+    xmin: int
+    xmax: int
+    xip: frozenset[int]
+
+    @classmethod
+    def parse(cls, text: str) -> Snapshot:
+        """`xmin:xmax:xip,…` (Postgres's text form, and the token a client resumes from)."""
+        parts = text.split(":")
+        try:
+            xmin, xmax = int(parts[0]), int(parts[1])
+            xip = (
+                frozenset(int(x) for x in parts[2].split(",") if x)
+                if len(parts) > 2
+                else frozenset()
+            )
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"{text!r} is not a snapshot") from e
+        if len(parts) != 3 or not 0 < xmin <= xmax or any(not xmin <= x < xmax for x in xip):
+            raise ValueError(f"{text!r} is not a snapshot")
+        return cls(xmin, xmax, xip)
+
+    def __str__(self) -> str:
+        return f"{self.xmin}:{self.xmax}:{','.join(str(x) for x in sorted(self.xip))}"
+
+    def sees(self, xid: int | None) -> bool:
+        """Whether the transaction `xid` (32-bit, from the WAL) is in this snapshot. Changes
+        of the slot's first snapshot (no xid) predate every snapshot a reader can take."""
+        if xid is None:
+            return True
+        full = widen(xid, self.xmax)
+        return full < self.xmin or (full < self.xmax and full not in self.xip)
 
 
 def _json(value: Any, canonical: bool = False) -> bytes:
@@ -49,6 +105,8 @@ def record_for(
 ) -> tuple[bytes, bytes | None, list[tuple[str, bytes]]]:
     """(key, value, headers) of the change's Kafka record; a delete is a tombstone."""
     headers = [("op", change.op.encode()), ("position", str(change.position).encode())]
+    if change.xid is not None:
+        headers.append(("xid", str(change.xid).encode()))
     if committed_at is not None:
         stamp = committed_at.astimezone(UTC).isoformat().replace("+00:00", "Z")
         headers.append(("committed_at", stamp.encode()))
@@ -66,9 +124,10 @@ def from_record(
     h = {k: v for k, v in headers}
     op: Op = h["op"].decode()  # type: ignore[assignment]
     position = Position.parse(h["position"].decode())
+    xid = int(h["xid"]) if "xid" in h else None
     if value is None:
         before = json.loads(h["before"]) if "before" in h else None
-        return Change(table, "delete", json.loads(key), None, before, position, len(key))
+        return Change(table, "delete", json.loads(key), None, before, position, len(key), xid)
     body = json.loads(value)
     size = len(key) + len(value)
-    return Change(table, op, json.loads(key), body["row"], body.get("before"), position, size)
+    return Change(table, op, json.loads(key), body["row"], body.get("before"), position, size, xid)

@@ -87,6 +87,8 @@ class LocalStack:
             self.say(f"created topics: {', '.join(created)}")
         check_topics(s)
         upgrade(s.database())
+        if self.postgres is not None and not s.api_database_url:
+            s.api_database_url = self.postgres.api_url()  # reads views, writes nothing
         return s
 
     def endpoints(self) -> dict[str, str]:
@@ -98,6 +100,7 @@ class LocalStack:
             "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
             "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
             "LOGFOLD_PARTITIONS": str(s.partitions),
+            **({"LOGFOLD_API_DATABASE_URL": s.api_database_url} if s.api_database_url else {}),
         }
 
     def env(self) -> dict[str, str]:

@@ -19,6 +19,9 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         default=None, validation_alias=AliasChoices("DATABASE_URL", "LOGFOLD_DATABASE_URL")
     )
+    # The API's own login: a member of `logfold_reader` (migration 0007), which reads the views
+    # and writes nothing. Unset: the API uses DATABASE_URL.
+    api_database_url: str | None = None
     topic_prefix: str = ""
     partitions: int = Field(default=4, ge=1)
     replication_factor: int = Field(default=1, ge=1)
@@ -95,6 +98,9 @@ class Settings(BaseSettings):
                 "or point KAFKA_BOOTSTRAP_SERVERS at one"
             )
         return self.kafka_bootstrap_servers
+
+    def api_database(self) -> str:
+        return self.api_database_url or self.database()
 
     def database(self) -> str:
         if not self.database_url:

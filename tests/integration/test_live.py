@@ -390,3 +390,40 @@ def test_a_row_claim_restricts_subscriptions_and_a_row_leaving_it_is_a_delete(
         client.wait_for(lambda s=sub_id: bool(client.of(s, "error")), f"{sub_id} refused")
         assert client.of(sub_id, "error")[0]["code"] == "forbidden"
     client.close()
+
+
+def test_a_snapshot_never_waits_for_writers_and_hands_off_their_changes(
+    serve: Serve, deployment: Settings
+) -> None:
+    """A transaction writing the table is open while a client subscribes: the snapshot comes at
+    once, without that write (it did not commit), and the write arrives as a change once it
+    commits. Writers are never made to wait by subscribers either: nothing is locked."""
+    url, _ = serve()
+    keys, group = _keys(2)
+    insert_customers(deployment, keys, group)
+    with psycopg.connect(deployment.database()) as writer:
+        writer.execute(
+            "UPDATE customers SET version = version + 1 WHERE customer_id = %s", (keys[0],)
+        )  # open, uncommitted: holds its row lock
+        client = WsClient(url, token("views:read"))
+        client.subscribe("s", "customers", {"name": group})
+        client.wait_for(_has_snapshot(client, "s"), "the snapshot, while the writer is open", 10)
+        rows = {r["customer_id"]: r["version"] for r in client.of("s", "snapshot")[0]["rows"]}
+        assert rows == {keys[0]: 0, keys[1]: 0}
+        # Subscribing again and again does not hold the writer up either.
+        for i in range(10):
+            client.subscribe(f"again{i}", "customers", {"name": group})
+        client.wait_for(lambda: bool(client.of("again9", "snapshot")), "ten more snapshots")
+        writer.commit()
+    client.wait_for(lambda: bool(client.of("s", "change")), "the committed write as a change")
+    change = client.of("s", "change")[0]
+    assert (change["op"], change["key"]["customer_id"], change["row"]["version"]) == (
+        "upsert",
+        keys[0],
+        1,
+    )
+    Writer(deployment, keys, total=10).run()
+    final = table_versions(deployment, keys)
+    client.wait_for(_holds(client, "s", final), "every later change")
+    assert_consecutive(versions_seen(client.of("s")), final)
+    client.close()

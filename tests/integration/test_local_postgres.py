@@ -9,8 +9,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from app import close_app, create_app
+from projections.registry import VIEWS
 from stack.local_postgres import LocalPostgres
 from stack.procs import free_port
+from stack.settings import Settings
+from tests.support import new_deployment, token
 
 pytestmark = pytest.mark.integration
 
@@ -54,3 +58,37 @@ def test_a_data_directory_made_with_trust_gets_a_password(workdir: Path) -> None
             assert conn.execute("SELECT 1").fetchone() == (1,)
     finally:
         server.stop()
+
+
+def test_the_api_role_reads_the_views_and_writes_nothing(
+    postgres: LocalPostgres, base_settings: Settings
+) -> None:
+    deployment = new_deployment(base_settings)  # migrated: its tables are readable by the role
+    api_url = postgres.api_url().rsplit("/", 1)[0] + "/" + deployment.database().rsplit("/", 1)[1]
+    assert postgres.password() not in api_url  # a login of its own
+    with psycopg.connect(api_url, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM customers").fetchone() == (0,)
+        for statement in (
+            "INSERT INTO customers (customer_id, name, email, version) VALUES ('x', 'x', 'x', 1)",
+            "UPDATE projection_progress SET late_events = 0",
+            "DELETE FROM orders",
+            "CREATE TABLE mine (x int)",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)
+
+    app = create_app(deployment.model_copy(update={"api_database_url": api_url}))
+    try:
+        client = app.test_client()
+        auth = {"Authorization": f"Bearer {token()}"}
+        assert client.get("/views/customers", headers=auth).status_code == 200
+        assert client.get("/views", headers=auth).status_code == 200
+        components = client.get("/health", headers=auth).json["components"]
+        assert components["postgres"]["status"] == "up"
+        assert "permission" not in str(components["cdc"]), components["cdc"]
+        rows, snapshot = app.extensions["logfold.read_model"].snapshot(
+            VIEWS["customers"][1], {}, 10
+        )
+        assert rows == [] and snapshot.xmin <= snapshot.xmax  # no lock needed, none taken
+    finally:
+        close_app(app)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from app.live import SLOW_CLOSE, Client, Hub, Subscription, Unservable
-from cdc.changes import Change, Position
+from cdc.changes import Change, Position, Snapshot, widen
 
 
 def _hub(replay: int = 100) -> Hub:
@@ -136,3 +136,43 @@ def test_a_change_weighs_its_changelog_record() -> None:
         "orders", [Change("orders", "update", {"order_id": "o1"}, row, row, Position(2, 1), 40_100)]
     )
     assert client.close_code == SLOW_CLOSE
+
+
+def _tx(lsn: int, key: str, xid: int | None) -> Change:
+    return Change(
+        "orders", "insert", {"order_id": key}, {"order_id": key}, None, Position(lsn, 1), xid=xid
+    )
+
+
+def test_a_snapshot_hands_off_by_transaction_not_by_position() -> None:
+    """The rows were read in a snapshot that saw transactions below 100 and 104, not 102
+    (running then) nor 105 and later: the stream brings exactly the changes of those, in
+    commit order, wherever their commit falls in the WAL."""
+    hub, client = _hub(), Client(100)
+    hub._apply("orders", [_tx(1, "before", 99), _tx(2, "running", 102), _tx(3, "seen", 104)])
+    seen = Snapshot(100, 105, frozenset({102}))
+    hub.subscribe(_sub(client), seen, {"type": "snapshot", "id": "s", "position": str(seen)})
+    hub._apply("orders", [_tx(4, "late-but-seen", 103), _tx(5, "after", 107)])
+    got = [m.get("key", {}).get("order_id") or m["type"] for m in _taken(client)]
+    assert got == ["snapshot", "running", "after"]
+
+
+def test_a_snapshot_needs_every_transaction_it_does_not_see_in_the_history() -> None:
+    hub = _hub(replay=2)
+    hub._apply("orders", [_tx(1, "a", 90), _tx(2, "b", 101), _tx(3, "c", 102), _tx(4, "d", 103)])
+    # 90 and 101 fell out of the history: a snapshot with xmin 101 might not see 101.
+    with pytest.raises(Unservable):
+        hub.subscribe(_sub(Client(100)), Snapshot(101, 104, frozenset()))
+    hub.subscribe(_sub(Client(100)), Snapshot(102, 104, frozenset()))  # 101 is in it
+
+
+def test_transaction_ids_compare_across_the_32_bit_wraparound() -> None:
+    epoch = 7 << 32
+    around = Snapshot(epoch - 5, epoch + 5, frozenset({epoch - 2}))
+    assert around.sees((epoch - 10) & 0xFFFFFFFF) and around.sees(3)
+    assert not around.sees((epoch - 2) & 0xFFFFFFFF) and not around.sees(5)
+    assert widen(2, epoch - 1) == epoch + 2 and widen(0xFFFFFFFF, epoch + 1) == epoch - 1
+    assert Snapshot.parse(str(around)) == around
+    for bad in ("", "1:2", "x:2:", "5:3:", "1:5:7", "0:1:"):
+        with pytest.raises(ValueError):
+            Snapshot.parse(bad)
