@@ -160,22 +160,80 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 command, sql = views[view]
                 levels = []
                 for rate in tqdm(args.rates, desc=view, unit="level"):
-                    runs = [
-                        open_loop(settings, rate, args.duration, posting(api, command), sql, meter)
-                        for _ in range(args.repeats)
-                    ]
-                    levels.append(
-                        {
-                            "offered_per_s": rate,
-                            "p50_ms": statistics.median(r["p50_ms"] for r in runs),
-                            "p99_ms": statistics.median(r["p99_ms"] for r in runs),
-                            "runs": runs,
-                        }
-                    )
+                    for subscribes in args.subscribes_per_s:
+                        runs = []
+                        for _ in range(args.repeats):
+                            with Subscribing(url, subscribes) as subscribing:
+                                run = open_loop(
+                                    settings, rate, args.duration, posting(api, command), sql, meter
+                                )
+                            runs.append({**run, "snapshots": subscribing.snapshots})
+                        levels.append(
+                            {
+                                "offered_per_s": rate,
+                                "subscribes_per_s": subscribes,
+                                "p50_ms": statistics.median(r["p50_ms"] for r in runs),
+                                "p99_ms": statistics.median(r["p99_ms"] for r in runs),
+                                "runs": runs,
+                            }
+                        )
                 result[view] = levels
             return result
         finally:
             procs.stop()
+
+
+class Subscribing:
+    """While open: websocket subscribes to `customers` (a snapshot of one customer's row, then
+    unsubscribe) at `rate` per second, as clients arriving do; counts the snapshots received.
+    Each snapshot is a transaction on the table the projector writes."""
+
+    def __init__(self, api_url: str, rate: float) -> None:
+        self.url = api_url.replace("http://", "ws://") + "/ws"
+        self.rate, self.snapshots = rate, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Subscribing:
+        if self.rate > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        import websocket
+
+        ws = websocket.create_connection(f"{self.url}?token={token('views:read')}", timeout=30)
+        try:
+            start, i = time.perf_counter(), 0
+            while not self._stop.is_set():
+                delay = start + i / self.rate - time.perf_counter()
+                if delay > 0 and self._stop.wait(delay):
+                    break
+                sub = f"s{i}"
+                ws.send(
+                    json.dumps(
+                        {
+                            "op": "subscribe",
+                            "id": sub,
+                            "view": "customers",
+                            "filter": {"name": "b0"},
+                        }
+                    )
+                )
+                while True:
+                    message = json.loads(ws.recv())
+                    if message.get("id") == sub and message["type"] in ("snapshot", "error"):
+                        self.snapshots += message["type"] == "snapshot"
+                        break
+                ws.send(json.dumps({"op": "unsubscribe", "id": sub}))
+                i += 1
+        finally:
+            ws.close()
 
 
 def extra(args: argparse.Namespace) -> dict[str, str]:
@@ -630,6 +688,14 @@ def main() -> None:
     f.add_argument("--repeats", type=int, default=3)
     f.add_argument(
         "--partitions", type=int, default=4, help="partitions per topic (`LOGFOLD_PARTITIONS`)"
+    )
+    f.add_argument(
+        "--subscribes-per-s",
+        type=float,
+        nargs="+",
+        default=[0],
+        help="websocket subscribes per second to `customers` during each run (one figure per "
+        "value, side by side), e.g. 0 50",
     )
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
