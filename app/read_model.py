@@ -22,7 +22,7 @@ from projections.registry import FOLDS, writers
 from projections.wire import wire_row, wire_value
 from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
-from stack.topics import Topics
+from stack.topics import Topics, partition_of
 
 
 def _poll(check: Callable[[], bool], deadline: float) -> bool:
@@ -183,7 +183,7 @@ class ReadModel:
         if not _poll(lambda: self._cdc_confirmed(wal), deadline):
             return False
         reads = fold.reads(self.topics, self.settings.partitions)
-        ends = self._end_offsets([_partition(k) for k in reads])
+        ends = self._end_offsets([partition_of(k) for k in reads])
 
         def applied() -> bool:
             done = self.progress().get(fold.name, {}).get("offsets", {})
@@ -214,7 +214,7 @@ class ReadModel:
                 return ends
             n = self.settings.partitions
             keys = {k for fold in FOLDS.values() for k in fold.reads(self.topics, n)}
-            ends = self._end_offsets([_partition(k) for k in sorted(keys)])
+            ends = self._end_offsets([partition_of(k) for k in sorted(keys)])
             self._ends = (time.monotonic(), ends)
             return ends
 
@@ -260,8 +260,3 @@ class ReadModel:
                     "at": wire_value(p.get("failed_at")),
                 }
         return out
-
-
-def _partition(key: str) -> TopicPartition:
-    topic, _, partition = key.rpartition(":")
-    return TopicPartition(topic, int(partition))

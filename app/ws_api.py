@@ -176,6 +176,7 @@ class Connection:
         self.client.abort = self._abort  # type: ignore[attr-defined]
         self._send_lock = threading.Lock()
         self.subject: str | None = None
+        self.rows: dict[str, str] = {}  # the token's row claim (guarantee 18)
         self.expires_at = float("inf")  # the token's `exp`: the connection closes then (4401)
 
     # -- the connection's life --------------------------------------------------------------
@@ -241,7 +242,7 @@ class Connection:
         if "views:read" not in scopes(claims):
             return self._refuse(FORBIDDEN, "forbidden", "subscribing needs the 'views:read' scope")
         self.subject, self.expires_at = str(claims["sub"]), float(claims["exp"])
-        self.rows: dict[str, str] = claims.get("rows") or {}
+        self.rows = claims.get("rows") or {}
         return True
 
     def _refuse(self, close_code: int, code: str, message: str) -> bool:

@@ -18,10 +18,11 @@ import time
 from typing import Any
 
 import psycopg
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
 from spark.sink import record_loss
+from stack.topics import partition_of
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,6 @@ Offsets = dict[str, int]  # "topic:partition" -> offset
 Lost = dict[str, tuple[int, int]]  # "topic:partition" -> [first, end) offsets never applied
 
 CACHE_S = 1.0
-
-
-def _partition(key: str) -> TopicPartition:
-    topic, _, partition = key.rpartition(":")
-    return TopicPartition(topic, int(partition))
 
 
 class Gaps:
@@ -67,7 +63,7 @@ class Gaps:
                         request_timeout_ms=int(self.timeout_s * 1000),
                         client_id="logfold-gaps",
                     )
-                found = self._consumer.beginning_offsets([_partition(k) for k in stale])
+                found = self._consumer.beginning_offsets([partition_of(k) for k in stale])
                 for tp, offset in found.items():
                     self._starts[f"{tp.topic}:{tp.partition}"] = (now, int(offset))
             return {k: self._starts[k][1] for k in keys}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
@@ -103,6 +104,12 @@ def captured_tables() -> list[str]:
     from projections.registry import CAPTURED  # the projections' import is heavy (Spark)
 
     return list(CAPTURED)
+
+
+def partition_of(key: str) -> TopicPartition:
+    """The partition an offsets key ("topic:partition", as progress records them) names."""
+    topic, _, partition = key.rpartition(":")
+    return TopicPartition(topic, int(partition))
 
 
 class TopicMisconfigured(RuntimeError):
