@@ -15,7 +15,7 @@ from app.auth import require
 from app.errors import ApiError
 from commands.bus import CommandBus, ReplyTimeout, Unavailable
 from commands.registry import COMMANDS, CommandSpec
-from commands.schemas import CommandRequest
+from commands.schemas import CommandRequest, details
 
 bp = Blueprint("commands", __name__)
 
@@ -105,30 +105,23 @@ def _validate(spec: CommandSpec, body: Any) -> tuple[CommandRequest, dict[str, A
             "the body must be a JSON object",
             [{"field": "", "problem": "expected an object"}],
         )
-    details: list[dict[str, str]] = []
+    problems: list[dict[str, str]] = []
     req: CommandRequest | None = None
     try:
         req = CommandRequest.model_validate(body)
     except ValidationError as e:
-        details += _details(e, prefix=[])
+        problems += details(e)
     data = body.get("data", {})
     if isinstance(data, dict):
         try:
             data = spec.schema.model_validate(data).model_dump(mode="json")
         except ValidationError as e:
-            details += _details(e, prefix=["data"])
+            problems += details(e, prefix=("data",))
     if req is not None and req.aggregate_id is None and not spec.creates:
-        details.append({"field": "aggregate_id", "problem": f"required for {spec.name}"})
-    if details or req is None:
-        raise ApiError(422, "validation_failed", f"invalid {spec.name} command", details)
+        problems.append({"field": "aggregate_id", "problem": f"required for {spec.name}"})
+    if problems or req is None:
+        raise ApiError(422, "validation_failed", f"invalid {spec.name} command", problems)
     return req, data
-
-
-def _details(e: ValidationError, prefix: list[str]) -> list[dict[str, str]]:
-    return [
-        {"field": ".".join(str(p) for p in [*prefix, *err["loc"]]), "problem": err["msg"]}
-        for err in e.errors()
-    ]
 
 
 def _new_aggregate_id(spec: CommandSpec, key: str | None) -> str:

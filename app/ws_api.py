@@ -27,6 +27,7 @@ from app.live import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, ReadModel
 from cdc.changes import Position, Snapshot
 from commands.messages import Position as CommandPosition
+from commands.schemas import details
 from projections.base import Fold
 from projections.registry import VIEWS
 from stack.settings import Settings
@@ -456,8 +457,5 @@ def _parse(model: type[BaseModel], message: dict[str, Any]) -> Any:
     try:
         return model.model_validate(message)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or 'message'}: {err['msg']}"
-            for err in e.errors()
-        )
+        problems = "; ".join(f"{d['field'] or 'message'}: {d['problem']}" for d in details(e))
         raise Problem("validation_failed", problems) from e

@@ -1,77 +1,111 @@
-"""Write-side benchmark: sustained commands/s and latency at several offered loads, on the full
-local stack (real Kafka broker, `logfold processor` and `logfold api` processes), and, in the
-same run, the raw kafka-python transactional produce rate of records of the same size.
+"""Write-side benchmarks on the full local stack (real Kafka broker, `logfold processor` and
+`logfold api` processes, local Postgres).
 
-    .venv/bin/python bench/commands.py --rates 25 50 100 200 --duration 20 --repeats 3
+    .venv/bin/python bench/commands.py load --rates 50 200 500 1000 --duration 15 --repeats 3
+    .venv/bin/python bench/commands.py profile --rate 300 --duration 20
+    .venv/bin/python bench/commands.py aggregate --events 10000 --repeats 3
 
-Load is open-loop: requests are scheduled at a fixed rate and latency is measured from the
-scheduled send time, so a slow server cannot hide its queueing (no coordinated omission).
+load: sustained commands/s and latency at several offered loads (`rename-customer` on random
+customers), and, in the same run, the raw kafka-python transactional produce rate of records of
+an event's size (the ceiling). Load is open-loop (bench/loadgen.py): requests are scheduled at
+a fixed rate and latency is measured from the scheduled send time.
+
+profile: the same load at one rate while py-spy samples every API and processor process; the
+CPU each command costs, by stage, and per process (the broker and the load generator by
+/proc), with the records and bytes each command writes and the commands per transaction.
+
+aggregate: the latency of commands on an aggregate with N events against a fresh one's, side by
+side (closed loop, one client at a time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from kafka import KafkaProducer
+from kafka import KafkaProducer, TopicPartition
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import loadgen, pyspy
+from bench.procstat import CpuMeter
 from events.customer import CustomerRenamed
 from events.serialization import encode, envelope_for
+from events.store import committed_reader
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.procs import free_port
 from stack.settings import Settings
-from stack.topics import create_topics
+from stack.topics import Topics, create_topics
 from tests.support import SECRET, HttpApi, Processes, token
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+@dataclass
+class WriteStack:
+    work: Path
+    kafka: LocalKafka
+    settings: Settings
+    procs: Processes
+    urls: list[str]
+    customers: list[str]
 
 
-def offered_load(apis: list[HttpApi], ids: list[str], rate: float, duration: float) -> dict:
-    """Rename customers at `rate` commands/s for `duration` s; latency from scheduled time."""
-    total = int(rate * duration)
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    lock = threading.Lock()
-    start = time.perf_counter() + 0.5
+@contextlib.contextmanager
+def write_stack(
+    processors: int, apis: int, customers: int, env: dict[str, str] | None = None
+) -> Iterator[WriteStack]:
+    """Kafka, Postgres, `processors` processors and `apis` API processes, with `customers`
+    registered customers; everything stopped on exit."""
+    work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
+    work.chmod(0o755)
+    kafka = LocalKafka(Path(".stack/lib"), work / "kafka", free_port(), free_port())
+    pg = LocalPostgres(work / "pg", free_port())
+    kafka.start()
+    pg.start()
+    settings = Settings(
+        kafka_bootstrap_servers=kafka.bootstrap,
+        database_url=pg.url,
+        jwt_secret=SECRET,
+        topic_prefix="bench.",
+        partitions=4,
+    )
+    create_topics(settings)
+    procs = Processes(settings, work, env)
+    try:
+        for _ in range(processors):
+            procs.processor()
+        urls = [procs.api()[1] for _ in range(apis)]
+        procs.wait_processing(urls[0], processors)
+        client = HttpApi(urls[0], token())
+        ids = [
+            client.command(
+                "register-customer", {"name": f"c{i}", "email": f"c{i}@example.com"}
+            ).body["aggregate_id"]
+            for i in tqdm(range(customers), desc="creating customers", unit="cmd")
+        ]
+        yield WriteStack(work, kafka, settings, procs, urls, ids)
+    finally:
+        procs.stop()
+        pg.stop()
+        kafka.stop()
 
-    def one(i: int) -> None:
-        scheduled = start + i / rate
-        delay = scheduled - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        api = apis[i % len(apis)]
-        answer = api.command("rename-customer", {"name": f"n{i}"}, aggregate_id=ids[i % len(ids)])
-        elapsed = time.perf_counter() - scheduled
-        with lock:
-            latencies.append(elapsed)
-            statuses[answer.status] = statuses.get(answer.status, 0) + 1
 
-    with ThreadPoolExecutor(max_workers=min(256, int(rate * 2) + 8)) as pool:
-        list(pool.map(one, range(total)))
-    wall = time.perf_counter() - start
-    ok = statuses.get(201, 0)
-    return {
-        "offered": rate,
-        "completed_per_s": ok / wall,
-        "p50_ms": percentile(latencies, 0.5) * 1e3,
-        "p99_ms": percentile(latencies, 0.99) * 1e3,
-        "statuses": statuses,
-    }
+def offered(stack: WriteStack, rate: float, duration: float) -> loadgen.Result:
+    return loadgen.offered_load(
+        stack.urls, token(), loadgen.renames(stack.customers), rate, duration
+    )
 
 
 def raw_produce(bootstrap: str, topic: str, record: bytes, seconds: float, per_txn: int) -> float:
@@ -97,60 +131,9 @@ def raw_produce(bootstrap: str, topic: str, record: bytes, seconds: float, per_t
     return rate
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rates", type=float, nargs="+", default=[25, 50, 100, 200])
-    parser.add_argument("--duration", type=float, default=20, help="seconds per load level")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per level (median reported)")
-    parser.add_argument("--processors", type=int, default=2)
-    parser.add_argument("--apis", type=int, default=2)
-    parser.add_argument("--aggregates", type=int, default=200)
-    args = parser.parse_args()
-
-    work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
-    work.chmod(0o755)
-    kafka = LocalKafka(Path(".stack/lib"), work / "kafka", free_port(), free_port())
-    pg = LocalPostgres(work / "pg", free_port())
-    kafka.start()
-    pg.start()
-    settings = Settings(
-        kafka_bootstrap_servers=kafka.bootstrap,
-        database_url=pg.url,
-        jwt_secret=SECRET,
-        topic_prefix="bench.",
-        partitions=4,
-    )
-    create_topics(settings)
-    procs = Processes(settings, work)
-    try:
-        for _ in range(args.processors):
-            procs.processor()
-        urls = [procs.api()[1] for _ in range(args.apis)]
-        procs.wait_processing(urls[0], args.processors)
-        apis = [HttpApi(url, token()) for url in urls]
-        ids = []
-        for i in tqdm(range(args.aggregates), desc="creating customers", unit="cmd"):
-            ids.append(
-                apis[0]
-                .command("register-customer", {"name": f"c{i}", "email": f"c{i}@example.com"})
-                .body["aggregate_id"]
-            )
-        offered_load(apis, ids, 20, 5)  # warm-up
-        results = []
-        for rate in tqdm(args.rates, desc="load levels", unit="level"):
-            runs = [offered_load(apis, ids, rate, args.duration) for _ in range(args.repeats)]
-            results.append(
-                {
-                    "offered_per_s": rate,
-                    "completed_per_s": statistics.median(r["completed_per_s"] for r in runs),
-                    "p50_ms": statistics.median(r["p50_ms"] for r in runs),
-                    "p99_ms": statistics.median(r["p99_ms"] for r in runs),
-                    "statuses": [r["statuses"] for r in runs],
-                }
-            )
-        event = envelope_for(
+def an_event() -> bytes:
+    return encode(
+        envelope_for(
             CustomerRenamed(name="n123"),
             event_id=str(uuid.uuid4()),
             aggregate_type="customer",
@@ -161,29 +144,210 @@ def main() -> None:
             correlation_id=str(uuid.uuid4()),
             causation_id=str(uuid.uuid4()),
         )
-        record = encode(event)
-        ceilings = {}
-        for per_txn in (1, 100):
-            ceilings[f"raw_txn_produce_{per_txn}_per_txn"] = statistics.median(
-                raw_produce(kafka.bootstrap, "bench.events.customer", record, 5, per_txn)
+    )
+
+
+def load(args: argparse.Namespace) -> dict[str, object]:
+    with write_stack(args.processors, args.apis, args.aggregates) as stack:
+        offered(stack, 50, 5)  # warm-up
+        levels = []
+        for rate in tqdm(args.rates, desc="load levels", unit="level"):
+            runs = [offered(stack, rate, args.duration) for _ in range(args.repeats)]
+            levels.append(
+                {
+                    "offered_per_s": rate,
+                    "completed_per_s": statistics.median(r.completed_per_s for r in runs),
+                    "p50_ms": statistics.median(r.ms(0.5) for r in runs),
+                    "p99_ms": statistics.median(r.ms(0.99) for r in runs),
+                    "statuses": [r.statuses for r in runs],
+                }
+            )
+        record = an_event()
+        ceilings = {
+            f"raw_txn_produce_{n}_per_txn": statistics.median(
+                raw_produce(stack.kafka.bootstrap, "bench.events.customer", record, 5, n)
                 for _ in range(args.repeats)
             )
-        print(
-            json.dumps(
-                {
-                    "record_bytes": len(record),
-                    "levels": results,
-                    "ceilings_records_per_s": ceilings,
-                    "processors": args.processors,
-                    "apis": args.apis,
-                },
-                indent=2,
-            )
-        )
+            for n in (1, 100)
+        }
+    return {
+        "record_bytes": len(record),
+        "levels": levels,
+        "ceilings_records_per_s": ceilings,
+        "processors": args.processors,
+        "apis": args.apis,
+    }
+
+
+# Where a sampled stack's CPU goes, by the first text it contains (see bench/pyspy.py).
+API_STAGES: pyspy.Rules = [
+    ("_read_replies (commands/bus.py", "reply routing"),
+    ("_send (commands/bus.py", "producing the command"),
+    ("producer/sender.py", "producing the command"),
+    ("health.py", "health monitor"),
+]
+PROCESSOR_STAGES: pyspy.Rules = [
+    ("decode (commands/messages.py", "consuming"),
+    ("handle (commands/handling.py", "deciding"),
+    ("process (commands/processor.py", "transaction"),
+    ("producer/sender.py", "transaction"),
+    ("_claim (commands/processor.py", "restoring partitions"),
+    ("(commands/processor.py", "consuming"),  # the poll loop, the snapshot replica
+]
+
+
+def _topic_counts(bootstrap: str, topics: list[str]) -> dict[str, tuple[int, int, int]]:
+    """Per topic: (end offset sum, committed records, committed bytes) — offsets minus records
+    are transaction markers."""
+    consumer = committed_reader(bootstrap, fetch_max_wait_ms=10)
+    counts = {}
+    try:
+        for topic in topics:
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            end = consumer.end_offsets(tps)
+            records = size = 0
+            while any(consumer.position(tp) < end[tp] for tp in tps):
+                for batch in consumer.poll(timeout_ms=200).values():
+                    records += len(batch)
+                    size += sum(len(r.value or b"") + len(r.key or b"") for r in batch)
+            counts[topic] = (sum(end.values()), records, size)
     finally:
-        procs.stop()
-        pg.stop()
-        kafka.stop()
+        consumer.close()
+    return counts
+
+
+def profile(args: argparse.Namespace) -> dict[str, object]:
+    with write_stack(args.processors, args.apis, args.aggregates) as stack:
+        offered(stack, 50, 5)  # warm-up
+        topics = Topics(stack.settings.topic_prefix)
+        written = [topics.events("customer"), topics.snapshots, topics.replies, topics.commands]
+        before = _topic_counts(stack.kafka.bootstrap, written)
+        roles = {
+            f"{'api' if 'api' in str(p.args) else 'processor'}-{i}": p.pid
+            for i, p in enumerate(stack.procs.procs)
+        }
+        assert stack.kafka.proc is not None
+        meter = CpuMeter(
+            {**roles, "broker": stack.kafka.proc.pid, "load_generator": os.getpid()},
+            alone=("load_generator",),
+        )
+        recordings = {
+            name: pyspy.Recording(pid, stack.work / f"{name}.raw", args.sample_rate)
+            for name, pid in roles.items()
+        }
+        meter.start()
+        result = offered(stack, args.rate, args.duration)
+        cpu = meter.stop()
+        stacks = {name: rec.stop() for name, rec in recordings.items()}
+        after = _topic_counts(stack.kafka.bootstrap, written)
+    commands = result.statuses.get(201, 0)
+    per_command_ms = 1e3 / max(commands, 1) / args.sample_rate
+    by_stage: Counter[str] = Counter()
+    for name, found in stacks.items():
+        rules, default = (
+            (API_STAGES, "HTTP and validation")
+            if name.startswith("api")
+            else (PROCESSOR_STAGES, "consuming")
+        )
+        for stage, samples in pyspy.stages(found, rules, default).items():
+            by_stage[f"{name.split('-')[0]}: {stage}"] += samples
+    events_topic = topics.events("customer")
+    writes = {}
+    for topic in written:
+        offsets = after[topic][0] - before[topic][0]
+        records = after[topic][1] - before[topic][1]
+        writes[topic] = {
+            "records_per_command": records / max(commands, 1),
+            "bytes_per_command": (after[topic][2] - before[topic][2]) / max(commands, 1),
+            "markers": offsets - records,
+        }
+    transactions = writes[events_topic]["markers"]
+    wall = float(cpu["wall_s"])
+    return {
+        "load": result.summary(),
+        "cpu_ms_per_command_by_stage": {
+            stage: round(samples * per_command_ms, 3) for stage, samples in by_stage.most_common()
+        },
+        "cpu_ms_per_command_by_process": {
+            name: round(cpu[f"{name}_pct"] / 100 * wall * 1e3 / max(commands, 1), 3)
+            for name in [*roles, "broker", "load_generator"]
+        },
+        "machine_busy_pct": cpu["machine_busy_pct"],
+        "writes_per_command": writes,
+        "commands_per_transaction": commands / max(transactions, 1),
+        "hottest_functions": {
+            name: [(f, round(n * 1e3 / args.sample_rate / max(commands, 1), 3)) for f, n in top]
+            for name, found in stacks.items()
+            for top in [pyspy.top(found, 12)]
+        },
+    }
+
+
+def aggregate(args: argparse.Namespace) -> dict[str, object]:
+    """Closed-loop latency on a fresh aggregate and on one with `events` events, interleaved."""
+    with write_stack(1, 1, 0) as stack:
+        client = HttpApi(stack.urls[0], token())
+
+        def register() -> str:
+            return str(
+                client.command("register-customer", {"name": "x", "email": "x@example.com"}).body[
+                    "aggregate_id"
+                ]
+            )
+
+        long_id = register()
+        for i in tqdm(range(args.events - 1), desc=f"growing one aggregate to {args.events}"):
+            client.command("rename-customer", {"name": f"n{i}"}, aggregate_id=long_id)
+
+        def timed(aggregate_id: str) -> float:
+            t = time.perf_counter()
+            answer = client.command("rename-customer", {"name": "y"}, aggregate_id=aggregate_id)
+            assert answer.status == 201, answer
+            return time.perf_counter() - t
+
+        runs = []
+        for _ in tqdm(range(args.repeats), desc="runs"):
+            fresh, long = [], []
+            for _ in range(args.commands):
+                fresh.append(timed(register()))  # each fresh aggregate: 1 event, then this one
+                long.append(timed(long_id))
+            runs.append((statistics.median(fresh), statistics.median(long)))
+    fresh_ms = statistics.median(r[0] for r in runs) * 1e3
+    long_ms = statistics.median(r[1] for r in runs) * 1e3
+    return {
+        "events": args.events,
+        "fresh_p50_ms": fresh_ms,
+        "long_p50_ms": long_ms,
+        "ratio": long_ms / fresh_ms,
+        "runs_ms": [[a * 1e3, b * 1e3] for a, b in runs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="which", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--processors", type=int, default=2)
+    common.add_argument("--apis", type=int, default=2, help="API processes")
+    common.add_argument("--aggregates", type=int, default=200, help="customers renamed")
+    common.add_argument("--duration", type=float, default=15, help="seconds per run")
+    lo = sub.add_parser("load", parents=[common], help="commands/s and latency by offered load")
+    lo.add_argument("--rates", type=float, nargs="+", default=[50, 200, 500, 1000])
+    lo.add_argument("--repeats", type=int, default=3, help="runs per level (median reported)")
+    pr = sub.add_parser("profile", parents=[common], help="CPU per command by stage (py-spy)")
+    pr.add_argument("--rate", type=float, default=300)
+    pr.add_argument("--sample-rate", type=int, default=100, help="py-spy samples/s")
+    ag = sub.add_parser("aggregate", help="latency on a long aggregate against a fresh one")
+    ag.add_argument("--events", type=int, default=10_000)
+    ag.add_argument("--commands", type=int, default=50, help="commands of each kind per run")
+    ag.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    run = {"load": load, "profile": profile, "aggregate": aggregate}[args.which]
+    print(json.dumps(run(args), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Annotated
 
 from commands.errors import rule_violated
+from commands.fields import ONE_LINE, Cents, Command, Name, Number, Text
 from commands.references import References
 from events.base import DomainEvent
 from events.book import BookAdded, BookRepriced
 
 
 @dataclass(frozen=True)
-class AddBook:
-    title: str
-    author: str
-    price_cents: int
-    royalty_rate: float
+class AddBook(Command):
+    """Add a book to the catalogue"""
+
+    creates = True
+    title: Annotated[str, Text(max_length=300, pattern=ONE_LINE)]
+    author: Name
+    price_cents: Cents
+    royalty_rate: Annotated[float, Number(ge=0, le=0.5)]
 
 
 @dataclass(frozen=True)
-class RepriceBook:
-    price_cents: int
+class RepriceBook(Command):
+    """Change a book's price"""
+
+    price_cents: Cents
+
+
+COMMANDS = (AddBook, RepriceBook)
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,6 @@ class Unavailable(Exception):
     """Kafka could not take the command; nothing was written."""
 
 
-class _Unacknowledged(Exception):
-    """The send failed after the record may have reached the broker."""
-
-
 class ReplyTimeout(Exception):
     """No reply in time; the command expires unprocessed if no processor picked it up."""
 
@@ -75,21 +71,29 @@ class CommandBus:
         if not self._ready.wait(self.settings.kafka_timeout_s):
             raise Unavailable("cannot reach Kafka to receive replies")
         future: Future[Reply] = Future()
+        failed: list[BaseException] = []  # the send's error, if the broker did not ack it
         with self._lock:
             self._waiting[msg.command_id] = future
         try:
+            partition = partition_for(msg.aggregate_id, self.settings.partitions)
             try:
-                self._send(msg)
-            except _Unacknowledged as e:
-                # The broker may have stored the command without acknowledging it. Its reply,
-                # if it was decided in time, still reaches us; otherwise it expires unapplied.
-                try:
-                    return future.result(timeout=self._past_deadline(msg))
-                except TimeoutError:
-                    raise Unavailable(str(e.__cause__)) from e
+                sent = self._get_producer().send(
+                    self.topics.commands,
+                    key=msg.aggregate_id.encode(),
+                    value=msg.encode(),
+                    partition=partition,
+                )
+            except KafkaError as e:  # never left this process: certainly not written
+                raise Unavailable(str(e)) from e
+            # No wait for the ack: the reply implies it. A send that fails may still have
+            # reached the broker; its reply, if it was decided in time, still reaches us, and
+            # otherwise the command expires unapplied.
+            sent.add_errback(failed.append)
             try:
                 return future.result(timeout=self._past_deadline(msg))
             except TimeoutError as e:
+                if failed:
+                    raise Unavailable(str(failed[0])) from e
                 raise ReplyTimeout() from e
         finally:
             with self._lock:
@@ -98,22 +102,6 @@ class CommandBus:
     def _past_deadline(self, msg: CommandMessage) -> float:
         """Seconds until an outcome decided just before the deadline has surely arrived."""
         return max(msg.deadline + self.settings.clock_skew_s + 1.0 - time.time(), 0.1)
-
-    def _send(self, msg: CommandMessage) -> None:
-        partition = partition_for(msg.aggregate_id, self.settings.partitions)
-        try:
-            sent = self._get_producer().send(
-                self.topics.commands,
-                key=msg.aggregate_id.encode(),
-                value=msg.encode(),
-                partition=partition,
-            )
-        except KafkaError as e:  # never left this process: certainly not written
-            raise Unavailable(str(e)) from e
-        try:
-            sent.get(timeout=max(msg.deadline - time.time(), 0.1))
-        except KafkaError as e:
-            raise _Unacknowledged() from e
 
     def _read_replies(self) -> None:
         while not self._stopping.is_set():
@@ -141,15 +129,16 @@ class CommandBus:
             while not self._stopping.is_set():
                 polled = consumer.poll(timeout_ms=200)
                 self._resume_at = consumer.position(tp)
+                me = self.instance_id.encode()
                 for records in polled.values():
                     for r in records:
-                        if r.key != self.instance_id.encode():
+                        if r.key != me:  # another API process hashed to this partition
                             continue
-                        reply = Reply.decode(r.value)
-                        with self._lock:
-                            future = self._waiting.get(reply.command_id)
-                        if future is not None and not future.done():
-                            future.set_result(reply)
+                        for reply in Reply.decode_many(r.value):
+                            with self._lock:
+                                future = self._waiting.get(reply.command_id)
+                            if future is not None and not future.done():
+                                future.set_result(reply)
         finally:
             consumer.close()
 

@@ -3,25 +3,36 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from commands.errors import rule_violated
+from commands.fields import Command, EmailAddress, Name
 from commands.references import References
 from events.base import DomainEvent
 from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
 
 
 @dataclass(frozen=True)
-class RegisterCustomer:
-    name: str
-    email: str
+class RegisterCustomer(Command):
+    """Register a new customer"""
+
+    creates = True
+    name: Name
+    email: EmailAddress
 
 
 @dataclass(frozen=True)
-class RenameCustomer:
-    name: str
+class RenameCustomer(Command):
+    """Rename a customer"""
+
+    name: Name
 
 
 @dataclass(frozen=True)
-class ChangeCustomerEmail:
-    email: str
+class ChangeCustomerEmail(Command):
+    """Change a customer's email"""
+
+    email: EmailAddress
+
+
+COMMANDS = (RegisterCustomer, RenameCustomer, ChangeCustomerEmail)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from commands.errors import Rejected, version_conflict
 from commands.messages import CommandMessage, error_body
 from commands.references import References
 from commands.registry import AGGREGATES, COMMANDS
+from commands.schemas import details
 from events.serialization import Envelope, envelope_for, from_data, to_data
 
 STATUS = {"not_found": 404, "rule_violated": 409, "version_conflict": 409, "validation_failed": 422}
@@ -132,14 +133,15 @@ def _decide(
     spec = COMMANDS.get(msg.name)
     if spec is None or spec.aggregate.name != msg.aggregate_type:
         return Outcome(404, error_body("not_found", f"unknown command {msg.name!r}"))
+    # Validated again, although the API did: the commands topic is a boundary too, and a
+    # processor must not turn a record it did not check into events. It costs 2 µs for
+    # `rename-customer`, 40 µs with an email address (docs/benchmarks.md).
     try:
-        command = spec.build(spec.schema.model_validate(msg.data))
+        command = spec.build(spec.schema.model_validate(msg.data).model_dump())
     except ValidationError as e:
-        details = [
-            {"field": ".".join(map(str, ["data", *err["loc"]])), "problem": err["msg"]}
-            for err in e.errors()
-        ]
-        return Outcome(422, error_body("validation_failed", "the command is invalid", details))
+        return Outcome(
+            422, error_body("validation_failed", "the command is invalid", details(e, ("data",)))
+        )
     key = (msg.aggregate_type, msg.aggregate_id)
     current = part.aggregates.get(key)
     version = current.version if current else 0

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from events.serialization import dumps, loads
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,11 @@ class CommandMessage:
     fingerprint: str | None = None
 
     def encode(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        return dumps(self)
 
     @classmethod
     def decode(cls, raw: bytes) -> CommandMessage:
-        return cls(**json.loads(raw))
+        return cls(**loads(raw))
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,15 @@ class Reply:
     replay: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
-    def encode(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+    @staticmethod
+    def encode_many(replies: Iterable[Reply]) -> bytes:
+        """One record for the replies a transaction sends to one API process."""
+        return dumps(list(replies))
 
     @classmethod
-    def decode(cls, raw: bytes) -> Reply:
-        return cls(**json.loads(raw))
+    def decode_many(cls, raw: bytes) -> list[Reply]:
+        doc = loads(raw)
+        return [cls(**r) for r in doc] if isinstance(doc, list) else [cls(**doc)]
 
 
 def error_body(code: str, message: str, details: list[Any] | None = None) -> dict[str, Any]:

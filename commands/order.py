@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Annotated, Literal
 
 from commands.book import Book
 from commands.errors import invalid, rule_violated
+from commands.fields import Amount, Command, Id, Items, Number, Text
 from commands.references import References
 from events.base import DomainEvent
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
@@ -14,29 +15,39 @@ Status = Literal["placed", "paid", "shipped", "cancelled"]
 
 @dataclass(frozen=True)
 class OrderLine:
-    book_id: str
-    quantity: int
+    book_id: Id
+    quantity: Annotated[int, Number(ge=1, le=1000)]
 
 
 @dataclass(frozen=True)
-class PlaceOrder:
-    customer_id: str
-    lines: tuple[OrderLine, ...]
+class PlaceOrder(Command):
+    """Place an order; prices, authors and royalty rates are frozen in the event"""
+
+    creates = True
+    customer_id: Id
+    lines: Annotated[tuple[OrderLine, ...], Items(min_length=1, max_length=50)]
 
 
 @dataclass(frozen=True)
-class PayOrder:
-    amount_cents: int
+class PayOrder(Command):
+    """Pay a placed order (the amount must equal its total)"""
+
+    amount_cents: Amount
 
 
 @dataclass(frozen=True)
-class ShipOrder:
-    pass
+class ShipOrder(Command):
+    """Ship a paid order"""
 
 
 @dataclass(frozen=True)
-class CancelOrder:
-    reason: str
+class CancelOrder(Command):
+    """Cancel an order that has not shipped"""
+
+    reason: Annotated[str, Text(max_length=500, pattern=r"^[^\x00]*$")]
+
+
+COMMANDS = (PlaceOrder, PayOrder, ShipOrder, CancelOrder)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,6 @@ what is committed."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import threading
 import time
@@ -33,7 +31,7 @@ from commands.handling import (
 )
 from commands.messages import CommandMessage, Position, Reply
 from events.partitioning import partition_for
-from events.serialization import encode
+from events.serialization import dumps, encode, loads
 from events.store import committed_reader, drain, read_to_end
 from stack.settings import Settings
 from stack.topics import Topics
@@ -44,30 +42,43 @@ Decided = tuple[CommandMessage, Outcome, list[Any]]
 
 
 class SnapshotReplica:
-    """Every processor's read-only copy of all aggregates' latest state, for reference checks
-    (e.g. does this customer exist?). Eventually consistent; caught up on a miss."""
+    """Every processor's read-only copy of the latest state of the aggregates in partitions it
+    does not own, for reference checks (e.g. does this customer exist?). Eventually consistent;
+    caught up on a miss. The partitions a processor owns are in its own memory, current."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self.consumer = committed_reader(bootstrap)
         parts = self.consumer.partitions_for_topic(topic) or set()
-        self.tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        self.consumer.assign(self.tps)
-        self.consumer.seek_to_beginning(*self.tps)
+        self.all = [TopicPartition(topic, p) for p in sorted(parts)]
+        self.tps: list[TopicPartition] = []
         self.latest: dict[tuple[str, str], AggregateRecord] = {}
+        self.skip(set())
+
+    def skip(self, owned: set[int]) -> None:
+        """Follow every partition but the `owned` ones; one given up is read from its start."""
+        tps = [tp for tp in self.all if tp.partition not in owned]
+        added = [tp for tp in tps if tp not in self.tps]
+        self.tps = tps
+        self.consumer.assign(tps)
+        if added:
+            self.consumer.seek_to_beginning(*added)
 
     def _apply(self, records: list[ConsumerRecord]) -> None:
         for r in records:
             if r.value is not None:
-                doc = json.loads(r.value)
+                doc = loads(r.value)
                 key = (doc["aggregate_type"], doc["aggregate_id"])
                 self.latest[key] = AggregateRecord.from_snapshot(doc)
 
     def poll(self) -> None:
+        if not self.tps:
+            return
         for records in self.consumer.poll(timeout_ms=0).values():
             self._apply(records)
 
     def catch_up(self, timeout: float = 5.0) -> None:
-        self._apply(list(drain(self.consumer, self.tps, timeout)))
+        if self.tps:
+            self._apply(list(drain(self.consumer, self.tps, timeout)))
 
     def close(self) -> None:
         self.consumer.close()
@@ -118,13 +129,13 @@ class PartitionOwner:
         bootstrap, p = self.settings.kafka(), [self.partition]
         for r in read_to_end(bootstrap, self.topics.snapshots, p):
             if r.value is not None:
-                doc = json.loads(r.value)
+                doc = loads(r.value)
                 key = (doc["aggregate_type"], doc["aggregate_id"])
                 state.aggregates[key] = AggregateRecord.from_snapshot(doc)
         now = time.time()
         for r in read_to_end(bootstrap, self.topics.idempotency, p):
             if r.value is not None:
-                doc = json.loads(r.value)
+                doc = loads(r.value)
                 doc.setdefault("at", r.timestamp / 1000)  # records from before `at` existed
                 state.remember(r.key.decode(), IdempotencyRecord(**doc), now)
         log.info("partition %s restored: %s aggregates", self.partition, len(state.aggregates))
@@ -140,8 +151,16 @@ class PartitionOwner:
             pending = [d for d in decided if d is not None]
             if any(futures for _, _, futures in pending):
                 self.producer.flush()  # the offsets of this batch's events become positions
+            replies: dict[str, list[Reply]] = {}
             for msg, outcome, futures in pending:
-                self._reply(msg, outcome, futures)
+                replies.setdefault(msg.reply_to, []).append(self._outcome(msg, outcome, futures))
+            for reply_to, batch in replies.items():  # one record per API process
+                self.producer.send(
+                    self.topics.replies,
+                    key=reply_to.encode(),
+                    value=Reply.encode_many(batch),
+                    partition=partition_for(reply_to, self.settings.partitions),
+                )
             self._snapshot({(m.aggregate_type, m.aggregate_id) for m, o, _ in pending if o.events})
             tp = TopicPartition(self.topics.commands, self.partition)
             offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
@@ -171,7 +190,8 @@ class PartitionOwner:
         ]
         return msg, outcome, futures
 
-    def _reply(self, msg: CommandMessage, outcome: Outcome, futures: list[Any]) -> None:
+    def _outcome(self, msg: CommandMessage, outcome: Outcome, futures: list[Any]) -> Reply:
+        """The reply to `msg`, once its events have offsets; its idempotency record is sent."""
         if futures:
             md = futures[-1].get()
             outcome.body["position"] = Position(md.topic, md.partition, md.offset).token()
@@ -180,16 +200,11 @@ class PartitionOwner:
                 self.producer.send(
                     self.topics.idempotency,
                     key=msg.idempotency_key.encode(),
-                    value=json.dumps(dataclasses.asdict(record)).encode(),
+                    value=dumps(record),
                     partition=self.partition,
                 )
         status = 200 if outcome.replay else outcome.status
-        self.producer.send(
-            self.topics.replies,
-            key=msg.reply_to.encode(),
-            value=Reply(msg.command_id, status, outcome.body, outcome.replay).encode(),
-            partition=partition_for(msg.reply_to, self.settings.partitions),
-        )
+        return Reply(msg.command_id, status, outcome.body, outcome.replay)
 
     def _snapshot(self, touched: set[tuple[str, str]]) -> None:
         for agg_type, agg_id in touched:
@@ -197,7 +212,7 @@ class PartitionOwner:
             self.producer.send(
                 self.topics.snapshots,
                 key=f"{agg_type}:{agg_id}".encode(),
-                value=json.dumps(snap).encode(),
+                value=dumps(snap),
                 partition=self.partition,
             )
 
@@ -270,6 +285,7 @@ class CommandProcessor:
             while not self._stopping.is_set():
                 batches = consumer.poll(timeout_ms=100)
                 self._claim(consumer)
+                replica.skip(set(self.owners))
                 replica.poll()
                 for tp, records in batches.items():
                     owner = self.owners.get(tp.partition)

@@ -1,15 +1,17 @@
-"""The one place that says which commands exist, which aggregate handles each, and how."""
+"""The one place that says which aggregates exist; each aggregate module lists its commands."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 
-from commands import book, customer, order, schemas
+from commands import book, customer, order
+from commands.fields import Command
 from commands.references import References
+from commands.schemas import payload_model
 from events.base import DomainEvent
 from events.serialization import from_data
 
@@ -23,91 +25,49 @@ class Aggregate:
     state_type: type
     decide: Decide
     evolve: Evolve
+    commands: tuple[type[Command], ...]
 
 
 @dataclass(frozen=True)
 class CommandSpec:
-    name: str
+    """A command as the API and the processors see it, derived from its dataclass."""
+
     aggregate: Aggregate
-    command_type: type
-    schema: type[BaseModel]
-    creates: bool
-    summary: str
+    command_type: type[Command]
 
-    def build(self, data: BaseModel) -> object:
-        return from_data(self.command_type, data.model_dump())
+    @property
+    def name(self) -> str:
+        return self.command_type.wire_name()
+
+    @property
+    def creates(self) -> bool:
+        return self.command_type.creates
+
+    @property
+    def summary(self) -> str:
+        return self.command_type.summary()
+
+    @property
+    def schema(self) -> type[BaseModel]:
+        """The pydantic model of its `data` (validation at the API, OpenAPI)."""
+        return payload_model(cast(type, self.command_type))
+
+    def build(self, data: dict[str, Any]) -> Command:
+        """The command from `data` as its `schema` has validated it."""
+        return from_data(self.command_type, data)
 
 
-CUSTOMER = Aggregate("customer", customer.Customer, customer.decide, customer.evolve)
-BOOK = Aggregate("book", book.Book, book.decide, book.evolve)
-ORDER = Aggregate("order", order.Order, order.decide, order.evolve)
-
-AGGREGATES: dict[str, Aggregate] = {a.name: a for a in (CUSTOMER, BOOK, ORDER)}
+AGGREGATES: dict[str, Aggregate] = {
+    a.name: a
+    for a in (
+        Aggregate(
+            "customer", customer.Customer, customer.decide, customer.evolve, customer.COMMANDS
+        ),
+        Aggregate("book", book.Book, book.decide, book.evolve, book.COMMANDS),
+        Aggregate("order", order.Order, order.decide, order.evolve, order.COMMANDS),
+    )
+}
 
 COMMANDS: dict[str, CommandSpec] = {
-    spec.name: spec
-    for spec in (
-        CommandSpec(
-            "register-customer",
-            CUSTOMER,
-            customer.RegisterCustomer,
-            schemas.RegisterCustomerData,
-            True,
-            "Register a new customer",
-        ),
-        CommandSpec(
-            "rename-customer",
-            CUSTOMER,
-            customer.RenameCustomer,
-            schemas.RenameCustomerData,
-            False,
-            "Rename a customer",
-        ),
-        CommandSpec(
-            "change-customer-email",
-            CUSTOMER,
-            customer.ChangeCustomerEmail,
-            schemas.ChangeCustomerEmailData,
-            False,
-            "Change a customer's email",
-        ),
-        CommandSpec(
-            "add-book", BOOK, book.AddBook, schemas.AddBookData, True, "Add a book to the catalogue"
-        ),
-        CommandSpec(
-            "reprice-book",
-            BOOK,
-            book.RepriceBook,
-            schemas.RepriceBookData,
-            False,
-            "Change a book's price",
-        ),
-        CommandSpec(
-            "place-order",
-            ORDER,
-            order.PlaceOrder,
-            schemas.PlaceOrderData,
-            True,
-            "Place an order; prices, authors and royalty rates are frozen in the event",
-        ),
-        CommandSpec(
-            "pay-order",
-            ORDER,
-            order.PayOrder,
-            schemas.PayOrderData,
-            False,
-            "Pay a placed order (the amount must equal its total)",
-        ),
-        CommandSpec(
-            "ship-order", ORDER, order.ShipOrder, schemas.ShipOrderData, False, "Ship a paid order"
-        ),
-        CommandSpec(
-            "cancel-order",
-            ORDER,
-            order.CancelOrder,
-            schemas.CancelOrderData,
-            False,
-            "Cancel an order that has not shipped",
-        ),
-    )
+    c.wire_name(): CommandSpec(a, c) for a in AGGREGATES.values() for c in a.commands
 }

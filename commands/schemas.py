@@ -1,70 +1,67 @@
-"""Command payloads as validated at the boundary (HTTP and the commands topic).
+"""Command payloads as validated at the HTTP boundary, derived from the commands themselves.
 
-These pydantic models are the single source of truth for validation and for the OpenAPI
-document; the registry turns a validated model into the domain's frozen command dataclass.
-"""
+`payload_model(RenameCustomer)` is the pydantic model of `rename-customer`'s `data`: one field
+per dataclass field, its constraints read from the field's `commands.fields` metadata. It
+serves validation and the OpenAPI document; nothing here is written by hand per command."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import functools
+import typing
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, EmailStr, Field
+from pydantic import BaseModel, ConfigDict, EmailStr, Field, ValidationError, create_model
 
-NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"  # Postgres text cannot hold NUL; names are one line
-Name = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)]
-Id = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-Cents = Annotated[int, Field(gt=0, le=10**9)]
-Amount = Annotated[int, Field(gt=0, le=10**15)]
+from commands.fields import Email, Id, Items, Number, Text
 
 
 class Payload(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class RegisterCustomerData(Payload):
-    name: Name
-    email: EmailStr
+@functools.cache
+def payload_model(cls: type) -> type[BaseModel]:
+    """The pydantic model of a command (or a dataclass inside one), named `<Class>Data`."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields: dict[str, Any] = {
+        f.name: (_pydantic_type(hints[f.name]), ...) for f in dataclasses.fields(cls)
+    }
+    return create_model(f"{cls.__name__}Data", __base__=Payload, **fields)
 
 
-class RenameCustomerData(Payload):
-    name: Name
+def _pydantic_type(tp: Any) -> Any:
+    if typing.get_origin(tp) is Annotated:
+        base, *marks = typing.get_args(tp)
+        constraints: dict[str, Any] = {}
+        for mark in marks:
+            if isinstance(mark, Email):
+                base = EmailStr
+            elif isinstance(mark, Text | Number | Items):
+                constraints |= {k: v for k, v in dataclasses.asdict(mark).items() if v is not None}
+        if base is float:
+            constraints["allow_inf_nan"] = False
+        return Annotated[_pydantic_type(base), Field(**constraints)]
+    if typing.get_origin(tp) is tuple:  # tuple[X, ...]: a JSON array
+        return list[_pydantic_type(typing.get_args(tp)[0])]  # type: ignore[misc]
+    if dataclasses.is_dataclass(tp):
+        return payload_model(tp)  # type: ignore[arg-type]
+    return tp
 
 
-class ChangeCustomerEmailData(Payload):
-    email: EmailStr
+def details(e: ValidationError, prefix: tuple[str, ...] = ()) -> list[dict[str, str]]:
+    """pydantic's errors as the contract's `details`: `{"field": "data.lines.0.quantity",
+    "problem": "..."}` (API.md); the one place that turns one into the other."""
+    return [
+        {"field": ".".join(str(p) for p in (*prefix, *err["loc"])), "problem": err["msg"]}
+        for err in e.errors()
+    ]
 
 
-class AddBookData(Payload):
-    title: Annotated[str, Field(min_length=1, max_length=300, pattern=NO_CONTROL_CHARS)]
-    author: Name
-    price_cents: Cents
-    royalty_rate: Annotated[float, Field(ge=0, le=0.5, allow_inf_nan=False)]
-
-
-class RepriceBookData(Payload):
-    price_cents: Cents
-
-
-class OrderLineData(Payload):
-    book_id: Id
-    quantity: Annotated[int, Field(ge=1, le=1000)]
-
-
-class PlaceOrderData(Payload):
-    customer_id: Id
-    lines: Annotated[list[OrderLineData], Field(min_length=1, max_length=50)]
-
-
-class PayOrderData(Payload):
-    amount_cents: Amount
-
-
-class ShipOrderData(Payload):
-    pass
-
-
-class CancelOrderData(Payload):
-    reason: Annotated[str, Field(min_length=1, max_length=500, pattern=r"^[^\x00]*$")]
+if TYPE_CHECKING:
+    WireId = str
+else:
+    WireId = _pydantic_type(Id)
 
 
 class CommandRequest(BaseModel):
@@ -72,6 +69,6 @@ class CommandRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    aggregate_id: Id | None = None
+    aggregate_id: WireId | None = None
     expected_version: Annotated[int, Field(ge=0)] | None = None
     data: dict[str, object] = Field(default_factory=dict)

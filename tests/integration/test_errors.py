@@ -619,7 +619,11 @@ def test_an_unanswered_command_is_504_and_expires_unprocessed(base_settings: Set
             thread.join(timeout=30)
         assert events_of(settings, "customer", late) == []
         assert len(events_of(settings, "customer", accepted[0])) == 1
-        replies = [Reply.decode(r.value) for r in read_to_end(settings.kafka(), topics.replies)]
+        replies = [
+            reply
+            for r in read_to_end(settings.kafka(), topics.replies)
+            for reply in Reply.decode_many(r.value)
+        ]
         [refused] = [r for r in replies if r.command_id == sent.command_id]
         assert refused.status == 504 and refused.body["error"]["code"] == "timeout"
     finally:

@@ -1,6 +1,8 @@
 from commands.book import AddBook, Book, RepriceBook
-from commands.registry import BOOK
+from commands.registry import AGGREGATES
 from events.book import BookAdded, BookRepriced
+
+BOOK = AGGREGATES["book"]
 
 ADDED = BookAdded(title="Dune", author="Frank Herbert", price_cents=1999, royalty_rate=0.1)
 

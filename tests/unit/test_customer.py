@@ -1,6 +1,8 @@
 from commands.customer import ChangeCustomerEmail, Customer, RegisterCustomer, RenameCustomer
-from commands.registry import CUSTOMER
+from commands.registry import AGGREGATES
 from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
+
+CUSTOMER = AGGREGATES["customer"]
 
 REGISTERED = CustomerRegistered(name="Ann Lee", email="ann@example.com")
 

@@ -3,8 +3,10 @@ import pytest
 from commands.book import Book
 from commands.customer import Customer
 from commands.order import CancelOrder, Order, OrderLine, PayOrder, PlaceOrder, ShipOrder
-from commands.registry import ORDER
+from commands.registry import AGGREGATES
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
+
+ORDER = AGGREGATES["order"]
 
 DUNE = Book(title="Dune", author="Frank Herbert", price_cents=1999, royalty_rate=0.1)
 EMMA = Book(title="Emma", author="Jane Austen", price_cents=999, royalty_rate=0.25)

@@ -1,4 +1,5 @@
 import json
+from dataclasses import dataclass
 
 import pytest
 
@@ -6,7 +7,7 @@ from events.book import BookAdded, BookRepriced
 from events.catalog import EVENT_TYPES
 from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
-from events.serialization import decode, encode, envelope_for
+from events.serialization import decode, dumps, encode, envelope_for
 from events.upcasting import UPCASTERS, UnknownSchemaVersion, upcast
 
 META = {
@@ -153,3 +154,14 @@ def test_upcasters_chain_one_version_at_a_time(monkeypatch):
     monkeypatch.setitem(UPCASTERS, ("Thing", 2), lambda d: {"c": d["b"] + 1})
     assert upcast("Thing", 1, {"a": 1}, 3) == {"c": 2}
     assert upcast("Thing", 2, {"b": 1}, 3) == {"c": 2}
+
+
+@dataclass(frozen=True)
+class CommandMessageLike:
+    expected_version: int
+
+
+def test_records_are_compact_utf8_json_even_past_64_bit_integers():
+    assert dumps({"name": "Zoë", "n": [1, 2.5]}) == '{"name":"Zoë","n":[1,2.5]}'.encode()
+    huge = CommandMessageLike(10**30)
+    assert json.loads(dumps(huge)) == {"expected_version": 10**30}
