@@ -63,3 +63,4 @@ def close_app(app: Flask) -> None:
     app.extensions["logfold.health"].stop()
     app.extensions["logfold.hub"].stop()
     app.extensions["logfold.bus"].close()
+    app.extensions["logfold.read_model"].close_offsets()

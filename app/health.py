@@ -153,6 +153,7 @@ class HealthChecks:
         if self._consumer is None:
             self._consumer = KafkaConsumer(
                 bootstrap_servers=self.settings.kafka(),
+                metrics_enabled=False,
                 request_timeout_ms=int(self.timeout * 1000),
                 client_id="logfold-health",
             )

@@ -221,6 +221,7 @@ class Hub:
     def _follow(self) -> None:
         consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap,
+            metrics_enabled=False,
             enable_auto_commit=False,
             group_id=None,
             # How long the broker holds a fetch when there is nothing new: a change that

@@ -88,6 +88,7 @@ class ReadModel:
         )
         self._ends: tuple[float, dict[str, int]] = (0.0, {})
         self._lock = threading.Lock()
+        self._offsets: KafkaConsumer | None = None  # kept: a new client per call was costly
 
     def rows(
         self, output: View, filters: dict[str, str], limit: int, cursor: str | None
@@ -183,7 +184,8 @@ class ReadModel:
         if not _poll(lambda: self._cdc_confirmed(wal), deadline):
             return False
         reads = fold.reads(self.topics, self.settings.partitions)
-        ends = self._end_offsets([partition_of(k) for k in reads])
+        with self._lock:
+            ends = self._end_offsets([partition_of(k) for k in reads])
 
         def applied() -> bool:
             done = self.progress().get(fold.name, {}).get("offsets", {})
@@ -219,17 +221,26 @@ class ReadModel:
             return ends
 
     def _end_offsets(self, partitions: list[TopicPartition]) -> dict[str, int]:
-        """The current end offsets of `partitions`, as "topic:partition" -> offset."""
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.settings.kafka(),
-            isolation_level="read_committed",
-            request_timeout_ms=3000,
-        )
+        """The current end offsets of `partitions`, as "topic:partition" -> offset (under
+        `_lock`). The client is kept between calls, and dropped after a failure."""
+        if self._offsets is None:
+            self._offsets = KafkaConsumer(
+                bootstrap_servers=self.settings.kafka(),
+                metrics_enabled=False,
+                isolation_level="read_committed",
+                request_timeout_ms=3000,
+            )
         try:
-            found = consumer.end_offsets(partitions)
-        finally:
-            consumer.close()
+            found = self._offsets.end_offsets(partitions)
+        except BaseException:
+            self.close_offsets()
+            raise
         return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
+
+    def close_offsets(self) -> None:
+        if self._offsets is not None:
+            consumer, self._offsets = self._offsets, None
+            consumer.close()
 
     def lag(self) -> dict[str, dict[str, Any]]:
         """Per fold (projection or join): records not yet applied (see `Fold.behind`), seconds

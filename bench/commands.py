@@ -27,12 +27,13 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kafka import KafkaProducer, TopicPartition
 from tqdm import tqdm
@@ -55,6 +56,7 @@ from tests.support import SECRET, HttpApi, Processes, token
 @dataclass
 class WriteStack:
     work: Path
+    database_url: str
     kafka: LocalKafka
     settings: Settings
     procs: Processes
@@ -64,13 +66,17 @@ class WriteStack:
 
 @contextlib.contextmanager
 def write_stack(
-    processors: int, apis: int, customers: int, env: dict[str, str] | None = None
+    processors: int,
+    apis: int,
+    customers: int,
+    env: dict[str, str] | None = None,
+    broker_config: tuple[str, ...] = (),
 ) -> Iterator[WriteStack]:
     """Kafka, Postgres, `processors` processors and `apis` API processes, with `customers`
     registered customers; everything stopped on exit."""
     work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
     work.chmod(0o755)
-    kafka = LocalKafka(Path(".stack/lib"), work / "kafka", free_port(), free_port())
+    kafka = LocalKafka(Path(".stack/lib"), work / "kafka", free_port(), free_port(), broker_config)
     pg = LocalPostgres(work / "pg", free_port())
     kafka.start()
     pg.start()
@@ -95,7 +101,7 @@ def write_stack(
             ).body["aggregate_id"]
             for i in tqdm(range(customers), desc="creating customers", unit="cmd")
         ]
-        yield WriteStack(work, kafka, settings, procs, urls, ids)
+        yield WriteStack(work, pg.url, kafka, settings, procs, urls, ids)
     finally:
         procs.stop()
         pg.stop()
@@ -106,6 +112,14 @@ def offered(stack: WriteStack, rate: float, duration: float) -> loadgen.Result:
     return loadgen.offered_load(
         stack.urls, token(), loadgen.renames(stack.customers), rate, duration
     )
+
+
+def warm_up(stack: WriteStack, seconds: float) -> None:
+    """Load until the JVM's optimising compiler is done with the broker's hot code: without
+    it, the first half minute of load measured the broker's C2 compiler threads (half a core)
+    more than the system."""
+    for rate in tqdm((100, 300, 500), desc=f"warming up ({seconds:.0f} s)", unit="level"):
+        offered(stack, rate, seconds / 3)
 
 
 def raw_produce(bootstrap: str, topic: str, record: bytes, seconds: float, per_txn: int) -> float:
@@ -147,19 +161,118 @@ def an_event() -> bytes:
     )
 
 
+def roles(stack: WriteStack) -> dict[str, int]:
+    """Process name -> pid: `api-<i>`, `processor-<i>`, `broker`."""
+    assert stack.kafka.proc is not None
+    found = {
+        f"{'api' if 'api' in str(p.args) else 'processor'}-{i}": p.pid
+        for i, p in enumerate(stack.procs.procs)
+    }
+    return {**found, "broker": stack.kafka.proc.pid}
+
+
+def measured(
+    stack: WriteStack, rate: float, duration: float
+) -> tuple[loadgen.Result, dict[str, float]]:
+    """One run, with the CPU each kind of process spent per command (ms)."""
+    meter = CpuMeter({**roles(stack), "load_generator": os.getpid()}, alone=("load_generator",))
+    meter.start()
+    result = offered(stack, rate, duration)
+    cpu = meter.stop()
+    commands = max(result.statuses.get(201, 0), 1)
+    per_kind: dict[str, float] = {}
+    for name in [*roles(stack), "load_generator"]:
+        kind = name.split("-")[0]
+        ms = cpu[f"{name}_pct"] / 100 * float(cpu["wall_s"]) * 1e3 / commands
+        per_kind[kind] = per_kind.get(kind, 0.0) + ms
+    per_kind["total"] = sum(per_kind.values())
+    per_kind["machine_busy_pct"] = cpu["machine_busy_pct"]
+    return result, per_kind
+
+
+def closed_loop(stack: WriteStack, ids: list[str], clients: int, seconds: float) -> float:
+    """Renames/s by `clients` clients, each renaming its own customer as fast as it can,
+    with the expected version it read from the previous reply: what `bench/library.py` does
+    with the library, over HTTP."""
+    done = [0] * clients
+    stop = time.perf_counter() + seconds
+
+    def work(c: int) -> None:
+        api = HttpApi(stack.urls[c % len(stack.urls)], token())
+        version = None
+        while time.perf_counter() < stop:
+            answer = api.command(
+                "rename-customer", {"name": f"n{done[c]}"}, ids[c], expected_version=version
+            )
+            assert answer.status == 201, answer
+            version = answer.body["version"]
+            done[c] += 1
+
+    workers = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(done) / (time.perf_counter() - start)
+
+
+def grow(stack: WriteStack, events: int) -> str:
+    """A customer with `events` events."""
+    api = HttpApi(stack.urls[0], token())
+    customer = str(
+        api.command("register-customer", {"name": "x", "email": "x@example.com"}).body[
+            "aggregate_id"
+        ]
+    )
+    for i in tqdm(range(events - 1), desc=f"growing a customer to {events} events", unit="cmd"):
+        api.command("rename-customer", {"name": f"n{i}"}, aggregate_id=customer)
+    return customer
+
+
+def side_by_side(stack: WriteStack, args: argparse.Namespace) -> dict[str, Any]:
+    """Logfold closed loop (1 and 4 clients, fresh customers and a long one) and the
+    `eventsourcing` library doing the same on the same Postgres, with the ratios."""
+    from bench import library
+
+    long_id = grow(stack, args.long_events)
+    ours = {
+        "1_thread_per_s": statistics.median(
+            closed_loop(stack, stack.customers[:1], 1, args.duration) for _ in range(args.repeats)
+        ),
+        "4_thread_per_s": statistics.median(
+            closed_loop(stack, stack.customers[:4], 4, args.duration) for _ in range(args.repeats)
+        ),
+        f"{args.long_events}_event_aggregate_per_s": statistics.median(
+            closed_loop(stack, [long_id], 1, args.duration) for _ in range(args.repeats)
+        ),
+    }
+    theirs = library.measure(stack.database_url, args.repeats, args.duration, args.long_events)
+    return {
+        "logfold": ours,
+        "eventsourcing_library": theirs,
+        "ratio_logfold_to_library": {k: ours[k] / theirs[k] for k in ours},
+    }
+
+
 def load(args: argparse.Namespace) -> dict[str, object]:
-    with write_stack(args.processors, args.apis, args.aggregates) as stack:
-        offered(stack, 50, 5)  # warm-up
-        levels = []
+    with write_stack(
+        args.processors, args.apis, args.aggregates, args.env, tuple(args.broker_config)
+    ) as stack:
+        warm_up(stack, args.warmup)
+        levels: list[dict[str, Any]] = []
         for rate in tqdm(args.rates, desc="load levels", unit="level"):
-            runs = [offered(stack, rate, args.duration) for _ in range(args.repeats)]
+            runs = [measured(stack, rate, args.duration) for _ in range(args.repeats)]
             levels.append(
                 {
                     "offered_per_s": rate,
-                    "completed_per_s": statistics.median(r.completed_per_s for r in runs),
-                    "p50_ms": statistics.median(r.ms(0.5) for r in runs),
-                    "p99_ms": statistics.median(r.ms(0.99) for r in runs),
-                    "statuses": [r.statuses for r in runs],
+                    "completed_per_s": statistics.median(r.completed_per_s for r, _ in runs),
+                    "p50_ms": statistics.median(r.ms(0.5) for r, _ in runs),
+                    "p99_ms": statistics.median(r.ms(0.99) for r, _ in runs),
+                    "statuses": [r.statuses for r, _ in runs],
+                    "cpu_ms_per_command": {
+                        k: round(statistics.median(c[k] for _, c in runs), 3) for k in runs[0][1]
+                    },
                 }
             )
         record = an_event()
@@ -170,10 +283,22 @@ def load(args: argparse.Namespace) -> dict[str, object]:
             )
             for n in (1, 100)
         }
+        library = side_by_side(stack, args) if args.library else None
+    best = max(float(level["completed_per_s"]) for level in levels)
     return {
         "record_bytes": len(record),
         "levels": levels,
         "ceilings_records_per_s": ceilings,
+        "library": library,
+        "ratio_sustained_to_library": (
+            {
+                k: best / v
+                for k, v in library["eventsourcing_library"].items()
+                if k.endswith("thread_per_s")
+            }
+            if library
+            else None
+        ),
         "processors": args.processors,
         "apis": args.apis,
     }
@@ -219,66 +344,66 @@ def _topic_counts(bootstrap: str, topics: list[str]) -> dict[str, tuple[int, int
 
 
 def profile(args: argparse.Namespace) -> dict[str, object]:
-    with write_stack(args.processors, args.apis, args.aggregates) as stack:
-        offered(stack, 50, 5)  # warm-up
+    with write_stack(
+        args.processors, args.apis, args.aggregates, args.env, tuple(args.broker_config)
+    ) as stack:
+        warm_up(stack, args.warmup)
         topics = Topics(stack.settings.topic_prefix)
         written = [topics.events("customer"), topics.snapshots, topics.replies, topics.commands]
         before = _topic_counts(stack.kafka.bootstrap, written)
-        roles = {
-            f"{'api' if 'api' in str(p.args) else 'processor'}-{i}": p.pid
-            for i, p in enumerate(stack.procs.procs)
-        }
-        assert stack.kafka.proc is not None
-        meter = CpuMeter(
-            {**roles, "broker": stack.kafka.proc.pid, "load_generator": os.getpid()},
-            alone=("load_generator",),
-        )
+        pids = roles(stack)
+        meter = CpuMeter({**pids, "load_generator": os.getpid()}, alone=("load_generator",))
         recordings = {
             name: pyspy.Recording(pid, stack.work / f"{name}.raw", args.sample_rate)
-            for name, pid in roles.items()
+            for name, pid in pids.items()
+            if name != "broker"
         }
         meter.start()
         result = offered(stack, args.rate, args.duration)
         cpu = meter.stop()
         stacks = {name: rec.stop() for name, rec in recordings.items()}
         after = _topic_counts(stack.kafka.bootstrap, written)
-    commands = result.statuses.get(201, 0)
-    per_command_ms = 1e3 / max(commands, 1) / args.sample_rate
-    by_stage: Counter[str] = Counter()
+    commands = max(result.statuses.get(201, 0), 1)
+    wall = float(cpu["wall_s"])
+    process_ms = {  # CPU per command, from /proc: what the samples are scaled to
+        name: cpu[f"{name}_pct"] / 100 * wall * 1e3 / commands for name in [*pids, "load_generator"]
+    }
+    by_stage: dict[str, float] = {}
     for name, found in stacks.items():
         rules, default = (
             (API_STAGES, "HTTP and validation")
             if name.startswith("api")
             else (PROCESSOR_STAGES, "consuming")
         )
-        for stage, samples in pyspy.stages(found, rules, default).items():
-            by_stage[f"{name.split('-')[0]}: {stage}"] += samples
+        split = pyspy.stages(found, rules, default)
+        total = sum(split.values()) or 1
+        for stage, samples in split.items():
+            key = f"{name.split('-')[0]}: {stage}"
+            by_stage[key] = by_stage.get(key, 0.0) + process_ms[name] * samples / total
     events_topic = topics.events("customer")
     writes = {}
     for topic in written:
         offsets = after[topic][0] - before[topic][0]
         records = after[topic][1] - before[topic][1]
         writes[topic] = {
-            "records_per_command": records / max(commands, 1),
-            "bytes_per_command": (after[topic][2] - before[topic][2]) / max(commands, 1),
+            "records_per_command": records / commands,
+            "bytes_per_command": (after[topic][2] - before[topic][2]) / commands,
             "markers": offsets - records,
         }
     transactions = writes[events_topic]["markers"]
-    wall = float(cpu["wall_s"])
     return {
         "load": result.summary(),
+        # Each process's CPU (/proc) split by where its GIL-holding samples were.
         "cpu_ms_per_command_by_stage": {
-            stage: round(samples * per_command_ms, 3) for stage, samples in by_stage.most_common()
+            k: round(v, 3) for k, v in sorted(by_stage.items(), key=lambda kv: -kv[1])
         },
-        "cpu_ms_per_command_by_process": {
-            name: round(cpu[f"{name}_pct"] / 100 * wall * 1e3 / max(commands, 1), 3)
-            for name in [*roles, "broker", "load_generator"]
-        },
+        "cpu_ms_per_command_by_process": {k: round(v, 3) for k, v in process_ms.items()},
+        "cpu_ms_per_command_total": round(sum(process_ms.values()), 3),
         "machine_busy_pct": cpu["machine_busy_pct"],
         "writes_per_command": writes,
         "commands_per_transaction": commands / max(transactions, 1),
         "hottest_functions": {
-            name: [(f, round(n * 1e3 / args.sample_rate / max(commands, 1), 3)) for f, n in top]
+            name: [(f, round(n * 1e3 / args.sample_rate / commands, 3)) for f, n in top]
             for name, found in stacks.items()
             for top in [pyspy.top(found, 12)]
         },
@@ -325,6 +450,13 @@ def aggregate(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+class Merge(argparse.Action):
+    """Repeated `--set K=V`: one dict."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), **values})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -335,9 +467,33 @@ def main() -> None:
     common.add_argument("--apis", type=int, default=2, help="API processes")
     common.add_argument("--aggregates", type=int, default=200, help="customers renamed")
     common.add_argument("--duration", type=float, default=15, help="seconds per run")
+    common.add_argument("--warmup", type=float, default=45, help="seconds of load first")
+    common.add_argument(
+        "--set",
+        dest="env",
+        metavar="KEY=VALUE",
+        type=lambda kv: dict([kv.split("=", 1)]),
+        action=Merge,
+        default={},
+        help="a setting of the API and processors, e.g. LOGFOLD_API_THREADS=64 (repeatable)",
+    )
+    common.add_argument(
+        "--broker-config",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a line of the broker's server.properties, e.g. num.io.threads=2 (repeatable)",
+    )
     lo = sub.add_parser("load", parents=[common], help="commands/s and latency by offered load")
     lo.add_argument("--rates", type=float, nargs="+", default=[50, 200, 500, 1000])
     lo.add_argument("--repeats", type=int, default=3, help="runs per level (median reported)")
+    lo.add_argument(
+        "--library",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the eventsourcing library, side by side (a dev dependency)",
+    )
+    lo.add_argument("--long-events", type=int, default=3000, help="events of the long aggregate")
     pr = sub.add_parser("profile", parents=[common], help="CPU per command by stage (py-spy)")
     pr.add_argument("--rate", type=float, default=300)
     pr.add_argument("--sample-rate", type=int, default=100, help="py-spy samples/s")

@@ -128,6 +128,7 @@ class Capture:
     def _stream(self) -> None:
         producer = KafkaProducer(
             bootstrap_servers=self.settings.kafka(),
+            metrics_enabled=False,
             acks="all",
             linger_ms=5,
             max_block_ms=int(self.settings.kafka_timeout_s * 1000),

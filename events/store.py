@@ -16,6 +16,7 @@ def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
     """A group-less consumer that sees only committed transactions."""
     return KafkaConsumer(
         bootstrap_servers=bootstrap,
+        metrics_enabled=False,  # kafka-python's own metrics, unused: a tenth of its CPU
         enable_auto_commit=False,
         isolation_level="read_committed",
         auto_offset_reset="earliest",

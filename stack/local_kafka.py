@@ -22,7 +22,15 @@ def ensure_jars(lib_dir: Path) -> Path:
 class LocalKafka:
     """One broker+controller process with its own data directory and ports."""
 
-    def __init__(self, lib_dir: Path, data_dir: Path, port: int, controller_port: int) -> None:
+    def __init__(
+        self,
+        lib_dir: Path,
+        data_dir: Path,
+        port: int,
+        controller_port: int,
+        config: tuple[str, ...] = (),
+    ) -> None:
+        self.config = config  # extra `key=value` lines of server.properties (they win)
         self.jars = ensure_jars(lib_dir)
         self.data_dir = data_dir
         self.port = port
@@ -74,6 +82,7 @@ class LocalKafka:
                     "auto.create.topics.enable=false",
                     "log.cleaner.backoff.ms=1000",
                     "transaction.abort.timed.out.transaction.cleanup.interval.ms=5000",
+                    *self.config,
                     "",
                 ]
             )

@@ -1,0 +1,107 @@
+"""The same write as Logfold's `rename-customer`, done with the `eventsourcing` library (its
+Postgres adapter, in-process, no HTTP): load the customer, check the expected version, append
+a `Renamed` event. The comparison `bench/commands.py load` prints beside its own figures."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+from eventsourcing.application import Application
+from eventsourcing.domain import Aggregate, event
+
+
+class Customer(Aggregate):
+    @event("Registered")
+    def __init__(self, name: str, email: str) -> None:
+        self.name, self.email = name, email
+
+    @event("Renamed")
+    def rename(self, name: str) -> None:
+        self.name = name
+
+
+class VersionConflict(Exception):
+    pass
+
+
+class Customers(Application[uuid.UUID]):
+    def register(self, name: str, email: str) -> uuid.UUID:
+        customer = Customer(name, email)
+        self.save(customer)
+        return customer.id
+
+    def rename(self, customer_id: uuid.UUID, name: str, expected_version: int | None) -> int:
+        customer: Customer = self.repository.get(customer_id)
+        if expected_version is not None and customer.version != expected_version:
+            raise VersionConflict(f"at {customer.version}, expected {expected_version}")
+        customer.rename(name)
+        self.save(customer)
+        return int(customer.version)
+
+
+def application(database_url: str, threads: int) -> Customers:
+    url = urlsplit(database_url)
+    return Customers(
+        env={
+            "PERSISTENCE_MODULE": "eventsourcing.postgres",
+            "POSTGRES_DBNAME": url.path.lstrip("/"),
+            "POSTGRES_HOST": url.hostname or "127.0.0.1",
+            "POSTGRES_PORT": str(url.port or 5432),
+            "POSTGRES_USER": url.username or "",
+            "POSTGRES_PASSWORD": url.password or "",
+            "POSTGRES_POOL_SIZE": str(threads),
+            "POSTGRES_SCHEMA": "public",
+            "CREATE_TABLE": "y",
+        }
+    )
+
+
+def renames_per_s(app: Customers, ids: list[uuid.UUID], threads: int, seconds: float) -> float:
+    """Closed loop: `threads` threads renaming customers (each its own) as fast as they can,
+    each rename checking the version it read before."""
+    done = [0] * threads
+    stop = time.perf_counter() + seconds
+
+    def work(t: int) -> None:
+        version: int | None = None
+        customer = ids[t % len(ids)]
+        while time.perf_counter() < stop:
+            version = app.rename(customer, f"n{done[t]}", version)
+            done[t] += 1
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(done) / (time.perf_counter() - start)
+
+
+def measure(database_url: str, repeats: int, seconds: float, long_events: int) -> dict[str, Any]:
+    """Renames/s with 1 and 4 threads on fresh customers, and with 1 thread on a customer with
+    `long_events` events (the library replays them on every load: no snapshots configured)."""
+    out: dict[str, Any] = {}
+    for threads in (1, 4):
+        app = application(database_url, threads)
+        ids = [app.register(f"c{i}", f"c{i}@example.com") for i in range(threads)]
+        out[f"{threads}_thread_per_s"] = statistics.median(
+            renames_per_s(app, ids, threads, seconds) for _ in range(repeats)
+        )
+        app.close()
+    app = application(database_url, 1)
+    long = Customer("long", "long@example.com")
+    for i in range(long_events - 1):
+        long.rename(f"n{i}")
+    app.save(long)  # all its events in one go
+    long_id = long.id
+    out[f"{long_events}_event_aggregate_per_s"] = statistics.median(
+        renames_per_s(app, [long_id], 1, seconds) for _ in range(repeats)
+    )
+    app.close()
+    return out
