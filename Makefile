@@ -27,7 +27,7 @@ lint: bootstrap
 	.venv/bin/mypy
 
 bench: bootstrap
-	.venv/bin/python bench/commands.py
+	.venv/bin/python bench/commands.py load --rates 50 200 500 800 1000 --duration 15 --repeats 3
 
 bench-live: bootstrap
 	.venv/bin/python bench/live.py freshness --rates 5 20 50 --duration 60 --repeats 3

@@ -27,7 +27,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -194,39 +193,32 @@ def closed_loop(stack: WriteStack, ids: list[str], clients: int, seconds: float)
     """Renames/s by `clients` clients, each renaming its own customer as fast as it can,
     with the expected version it read from the previous reply: what `bench/library.py` does
     with the library, over HTTP."""
-    done = [0] * clients
-    stop = time.perf_counter() + seconds
+    apis = [HttpApi(stack.urls[c % len(stack.urls)], token()) for c in range(clients)]
+    versions: list[int | None] = [None] * clients
 
-    def work(c: int) -> None:
-        api = HttpApi(stack.urls[c % len(stack.urls)], token())
-        version = None
-        while time.perf_counter() < stop:
-            answer = api.command(
-                "rename-customer", {"name": f"n{done[c]}"}, ids[c], expected_version=version
-            )
-            assert answer.status == 201, answer
-            version = answer.body["version"]
-            done[c] += 1
+    def rename(c: int) -> None:
+        answer = apis[c].command(
+            "rename-customer", {"name": "n"}, ids[c], expected_version=versions[c]
+        )
+        assert answer.status == 201, answer
+        versions[c] = answer.body["version"]
 
-    workers = [threading.Thread(target=work, args=(c,)) for c in range(clients)]
-    start = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return sum(done) / (time.perf_counter() - start)
+    return loadgen.closed_loop(clients, seconds, rename)
 
 
-def grow(stack: WriteStack, events: int) -> str:
-    """A customer with `events` events."""
+def grow(stack: WriteStack, events: int, rate: float = 400) -> str:
+    """A customer with `events` events (renamed at `rate`/s, no expected version)."""
     api = HttpApi(stack.urls[0], token())
     customer = str(
         api.command("register-customer", {"name": "x", "email": "x@example.com"}).body[
             "aggregate_id"
         ]
     )
-    for i in tqdm(range(events - 1), desc=f"growing a customer to {events} events", unit="cmd"):
-        api.command("rename-customer", {"name": f"n{i}"}, aggregate_id=customer)
+    print(f"growing a customer to {events} events…", file=sys.stderr)
+    result = loadgen.offered_load(
+        stack.urls, token(), loadgen.renames([customer]), rate, (events - 1) / rate
+    )
+    assert result.statuses == {201: events - 1}, result.statuses
     return customer
 
 
@@ -251,7 +243,9 @@ def side_by_side(stack: WriteStack, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "logfold": ours,
         "eventsourcing_library": theirs,
-        "ratio_logfold_to_library": {k: ours[k] / theirs[k] for k in ours},
+        "ratio_logfold_to_library": {
+            k: ours[k.removesuffix("_async_commit")] / v for k, v in theirs.items()
+        },
     }
 
 
@@ -422,9 +416,7 @@ def aggregate(args: argparse.Namespace) -> dict[str, object]:
                 ]
             )
 
-        long_id = register()
-        for i in tqdm(range(args.events - 1), desc=f"growing one aggregate to {args.events}"):
-            client.command("rename-customer", {"name": f"n{i}"}, aggregate_id=long_id)
+        long_id = grow(stack, args.events)
 
         def timed(aggregate_id: str) -> float:
             t = time.perf_counter()

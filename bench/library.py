@@ -4,15 +4,18 @@ a `Renamed` event. The comparison `bench/commands.py load` prints beside its own
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
-import threading
-import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 from eventsourcing.application import Application
 from eventsourcing.domain import Aggregate, event
+
+from bench.loadgen import closed_loop
 
 
 class Customer(Aggregate):
@@ -64,44 +67,52 @@ def application(database_url: str, threads: int) -> Customers:
 def renames_per_s(app: Customers, ids: list[uuid.UUID], threads: int, seconds: float) -> float:
     """Closed loop: `threads` threads renaming customers (each its own) as fast as they can,
     each rename checking the version it read before."""
-    done = [0] * threads
-    stop = time.perf_counter() + seconds
+    versions: list[int | None] = [None] * threads
 
-    def work(t: int) -> None:
-        version: int | None = None
-        customer = ids[t % len(ids)]
-        while time.perf_counter() < stop:
-            version = app.rename(customer, f"n{done[t]}", version)
-            done[t] += 1
+    def rename(t: int) -> None:
+        versions[t] = app.rename(ids[t % len(ids)], "n", versions[t])
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    start = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return sum(done) / (time.perf_counter() - start)
+    return closed_loop(threads, seconds, rename)
 
 
 def measure(database_url: str, repeats: int, seconds: float, long_events: int) -> dict[str, Any]:
     """Renames/s with 1 and 4 threads on fresh customers, and with 1 thread on a customer with
-    `long_events` events (the library replays them on every load: no snapshots configured)."""
+    `long_events` events (the library replays them on every load: no snapshots configured);
+    with Postgres's default durability (each commit waits for its WAL flush) and with
+    `synchronous_commit=off` (acknowledged before the disk, as a Kafka broker acknowledges
+    by default)."""
     out: dict[str, Any] = {}
-    for threads in (1, 4):
-        app = application(database_url, threads)
-        ids = [app.register(f"c{i}", f"c{i}@example.com") for i in range(threads)]
-        out[f"{threads}_thread_per_s"] = statistics.median(
-            renames_per_s(app, ids, threads, seconds) for _ in range(repeats)
-        )
-        app.close()
-    app = application(database_url, 1)
-    long = Customer("long", "long@example.com")
-    for i in range(long_events - 1):
-        long.rename(f"n{i}")
-    app.save(long)  # all its events in one go
-    long_id = long.id
-    out[f"{long_events}_event_aggregate_per_s"] = statistics.median(
-        renames_per_s(app, [long_id], 1, seconds) for _ in range(repeats)
-    )
-    app.close()
+    for durable in (True, False):
+        suffix = "" if durable else "_async_commit"
+        with _pgoptions("" if durable else "-c synchronous_commit=off"):
+            for threads in (1, 4):
+                app = application(database_url, threads)
+                ids = [app.register(f"c{i}", f"c{i}@example.com") for i in range(threads)]
+                out[f"{threads}_thread_per_s{suffix}"] = statistics.median(
+                    renames_per_s(app, ids, threads, seconds) for _ in range(repeats)
+                )
+                app.close()
+            app = application(database_url, 1)
+            long = Customer("long", "long@example.com")
+            for i in range(long_events - 1):
+                long.rename(f"n{i}")
+            app.save(long)  # all its events in one go
+            out[f"{long_events}_event_aggregate_per_s{suffix}"] = statistics.median(
+                renames_per_s(app, [long.id], 1, seconds) for _ in range(repeats)
+            )
+            app.close()
     return out
+
+
+@contextlib.contextmanager
+def _pgoptions(options: str) -> Iterator[None]:
+    """Server settings for the connections opened meanwhile (libpq reads PGOPTIONS)."""
+    before = os.environ.get("PGOPTIONS")
+    os.environ["PGOPTIONS"] = options
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PGOPTIONS"]
+        else:
+            os.environ["PGOPTIONS"] = before

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -158,3 +160,23 @@ def renames(ids: list[str]) -> Body:
         return "/commands/rename-customer", json.dumps(doc).encode()
 
     return body
+
+
+def closed_loop(workers: int, seconds: float, work: Callable[[int], None]) -> float:
+    """Operations/s of `workers` threads each calling `work(its index)` in a loop for
+    `seconds`, as fast as they can."""
+    done = [0] * workers
+    stop = time.perf_counter() + seconds
+
+    def loop(w: int) -> None:
+        while time.perf_counter() < stop:
+            work(w)
+            done[w] += 1
+
+    threads = [threading.Thread(target=loop, args=(w,)) for w in range(workers)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - start)

@@ -30,6 +30,7 @@ from commands.handling import (
     handle,
 )
 from commands.messages import CommandMessage, Position, Reply
+from commands.registry import AGGREGATES
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
 from events.store import committed_reader, drain, read_to_end
@@ -38,7 +39,11 @@ from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
-Decided = tuple[CommandMessage, Outcome, list[Any]]
+Decided = tuple[CommandMessage, Outcome]
+
+
+class OffsetsMoved(Exception):
+    """An event did not get the offset its reply announced: the transaction must not commit."""
 
 
 class SnapshotReplica:
@@ -124,6 +129,17 @@ class PartitionOwner:
         # Fences any previous owner of this partition and aborts its open transaction.
         self.producer.init_transactions()
         self.state = self._restore()
+        # Read after fencing, so no other transaction is open there: see `process`.
+        self.next_offset = self._end_offsets()
+
+    def _end_offsets(self) -> dict[str, int]:
+        """The next offset of this partition in each event topic."""
+        consumer = KafkaConsumer(bootstrap_servers=self.settings.kafka(), metrics_enabled=False)
+        try:
+            tps = [TopicPartition(self.topics.events(name), self.partition) for name in AGGREGATES]
+            return {tp.topic: int(offset) for tp, offset in consumer.end_offsets(tps).items()}
+        finally:
+            consumer.close()
 
     def _restore(self) -> PartitionState:
         state = PartitionState()
@@ -145,22 +161,26 @@ class PartitionOwner:
     def process(
         self, records: list[ConsumerRecord], consumer: KafkaConsumer, refs: References
     ) -> None:
-        """Decide a batch of commands and commit all its effects in one transaction."""
+        """Decide a batch of commands and commit all its effects in one transaction.
+
+        Everything the transaction writes goes out at once, replies included, although a reply
+        carries its events' offsets: this partition of the event topics has one writer, its
+        owner (fenced by its transactional id), so the offset each event will get is known in
+        advance — the end offset found on claiming it, plus one per event, plus one per commit
+        marker. The offsets Kafka gives are checked before the commit; a difference (something
+        else wrote there) aborts the transaction and starts over from Kafka. Waiting for the
+        events' offsets before sending the rest cost two more round trips per transaction."""
         self.producer.begin_transaction()
         try:
-            decided = [self._decide(r, refs) for r in records]
+            expected: list[tuple[Any, int]] = []  # (the send's future, the offset it must get)
+            decided = [self._decide(r, refs, expected) for r in records]
             pending = [d for d in decided if d is not None]
-            # Everything that does not wait for the events' offsets goes out with them: the
-            # snapshots, and the consumed offsets (whose two requests overlap the flush).
-            self._snapshot({(m.aggregate_type, m.aggregate_id) for m, o, _ in pending if o.events})
-            tp = TopicPartition(self.topics.commands, self.partition)
-            offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
-            self.producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
-            if any(futures for _, _, futures in pending):
-                self.producer.flush()  # the offsets of this batch's events become positions
+            self._snapshot({(m.aggregate_type, m.aggregate_id) for m, o in pending if o.events})
             replies: dict[str, list[Reply]] = {}
-            for msg, outcome, futures in pending:
-                replies.setdefault(msg.reply_to, []).append(self._outcome(msg, outcome, futures))
+            for msg, outcome in pending:
+                status = 200 if outcome.replay else outcome.status
+                reply = Reply(msg.command_id, status, outcome.body, outcome.replay)
+                replies.setdefault(msg.reply_to, []).append(reply)
             for reply_to, batch in replies.items():  # one record per API process
                 self.producer.send(
                     self.topics.replies,
@@ -168,46 +188,60 @@ class PartitionOwner:
                     value=Reply.encode_many(batch),
                     partition=partition_for(reply_to, self.settings.partitions),
                 )
+            tp = TopicPartition(self.topics.commands, self.partition)
+            offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
+            self.producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
+            self.producer.flush()
+            for future, offset in expected:
+                got = future.get()
+                if got.offset != offset:
+                    raise OffsetsMoved(
+                        f"{got.topic}[{got.partition}] gave offset {got.offset}, not {offset}: "
+                        "another producer writes there; starting over from Kafka"
+                    )
             self.producer.commit_transaction()
+            for topic in {got.topic for got in (f.get() for f, _ in expected)}:
+                self.next_offset[topic] += 1  # the commit marker
         except BaseException:
             # Fenced or broken: the caller throws this state away and restarts from Kafka.
             with contextlib.suppress(Exception):
                 self.producer.abort_transaction()
             raise
 
-    def _decide(self, record: ConsumerRecord, refs: References) -> Decided | None:
+    def _decide(
+        self, record: ConsumerRecord, refs: References, expected: list[tuple[Any, int]]
+    ) -> Decided | None:
         try:
             msg = CommandMessage.decode(record.value)
         except (ValueError, TypeError, KeyError):
             log.error("skipping unreadable command at offset %s", record.offset)
             return None
         outcome = handle(msg, self.state, refs, time.time, lambda: str(uuid.uuid4()))
-        futures = [
-            self.producer.send(
-                self.topics.events(e.aggregate_type),
+        position = None
+        for e in outcome.events:
+            topic = self.topics.events(e.aggregate_type)
+            offset = self.next_offset[topic]
+            self.next_offset[topic] = offset + 1
+            future = self.producer.send(
+                topic,
                 key=f"{e.aggregate_id}:{e.version}".encode(),
                 value=encode(e),
                 partition=self.partition,
             )
-            for e in outcome.events
-        ]
-        return msg, outcome, futures
-
-    def _outcome(self, msg: CommandMessage, outcome: Outcome, futures: list[Any]) -> Reply:
-        """The reply to `msg`, once its events have offsets; its idempotency record is sent."""
-        if futures:
-            md = futures[-1].get()
-            outcome.body["position"] = Position(md.topic, md.partition, md.offset).token()
+            expected.append((future, offset))
+            position = Position(topic, self.partition, offset)
+        if position is not None:
+            # The same body as the idempotency record's (a retry replays it with its position).
+            outcome.body["position"] = position.token()
             if msg.idempotency_key is not None:
-                record = self.state.idempotency[msg.idempotency_key]  # recorded by handle()
+                record_ = self.state.idempotency[msg.idempotency_key]  # recorded by handle()
                 self.producer.send(
                     self.topics.idempotency,
                     key=msg.idempotency_key.encode(),
-                    value=dumps(record),
+                    value=dumps(record_),
                     partition=self.partition,
                 )
-        status = 200 if outcome.replay else outcome.status
-        return Reply(msg.command_id, status, outcome.body, outcome.replay)
+        return msg, outcome
 
     def _snapshot(self, touched: set[tuple[str, str]]) -> None:
         for agg_type, agg_id in touched:

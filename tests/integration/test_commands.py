@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from flask.testing import FlaskClient
+from kafka import KafkaProducer
 
 from commands.messages import Position
 from events.partitioning import partition_for
@@ -143,3 +144,34 @@ def test_a_retry_with_the_same_idempotency_key_returns_the_first_response(
     assert again.json == first.json
     agg = first.json["aggregate_id"]
     assert len([e for e in log_of(deployment, "customer") if e.aggregate_id == agg]) == 1
+
+
+def test_a_reply_position_stays_exact_when_another_producer_writes_to_the_partition(
+    client: FlaskClient, deployment: Settings
+) -> None:
+    """Replies announce their events' offsets before Kafka acknowledges them (one writer per
+    partition). A record from elsewhere (say, an erasure tombstone) shifts the offsets: the
+    processor must notice before committing, start over, and still answer with the truth."""
+    r = post(client, "register-customer", {"data": {"name": "Eve", "email": "eve@example.com"}})
+    assert r.status_code == 201, r.json
+    customer = r.json["aggregate_id"]
+    topic = Topics(deployment.topic_prefix).events("customer")
+    partition = partition_for(customer, deployment.partitions)
+    outsider = KafkaProducer(bootstrap_servers=deployment.kafka())
+    for _ in range(3):
+        outsider.send(topic, key=b"someone-else:1", value=None, partition=partition)
+    outsider.flush()
+    outsider.close()
+
+    r = post(client, "rename-customer", {"aggregate_id": customer, "data": {"name": "Eva"}})
+    assert r.status_code == 201, r.json
+    records = [
+        x for x in read_to_end(deployment.kafka(), topic) if x.key == f"{customer}:2".encode()
+    ]
+    assert len(records) == 1  # committed once: the attempt with the wrong offsets aborted
+    position = Position.parse(r.json["position"])
+    assert (position.topic, position.partition, position.offset) == (
+        topic,
+        partition,
+        records[0].offset,
+    )
