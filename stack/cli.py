@@ -100,8 +100,10 @@ def env() -> None:
 @main.command()
 @click.option("--host", default=None, help="Interface to listen on (LOGFOLD_API_HOST).")
 @click.option("--port", type=int, default=None, help="Port (LOGFOLD_API_PORT).")
-@click.option("--workers", type=int, default=1, help="gunicorn worker processes.")
-def api(host: str | None, port: int | None, workers: int) -> None:
+@click.option(
+    "--workers", type=int, default=None, help="API processes (LOGFOLD_API_WORKERS, default 2)."
+)
+def api(host: str | None, port: int | None, workers: int | None) -> None:
     """Serve the HTTP API (needs Kafka, Postgres and LOGFOLD_JWT_SECRET)."""
     from stack import logs
     from stack.serve import ApiServer
@@ -112,7 +114,7 @@ def api(host: str | None, port: int | None, workers: int) -> None:
     settings.api_port = port or settings.api_port
     settings.jwt_secret = _secret(settings)
     _require_topics(settings)
-    ApiServer(settings, workers).run()
+    ApiServer(settings, workers or settings.api_workers).run()
 
 
 @main.command()

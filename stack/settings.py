@@ -33,6 +33,10 @@ class Settings(BaseSettings):
 
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    # API processes (gunicorn workers) of `logfold api` and `logfold run`: one process is held
+    # to one core by Python's GIL; two served 17% more commands/s at saturation on 2 cores
+    # (docs/benchmarks.md), and the same at 50 commands/s.
+    api_workers: int = Field(default=2, ge=1)
     api_threads: int = Field(default=512, ge=8)  # per process; each open websocket holds one
     # Threads of an API process that websockets never take: REST keeps answering however many
     # sockets are open (at most api_threads - api_reserved_threads per process).

@@ -162,6 +162,9 @@ def child_env(settings: Settings) -> dict[str, str]:
             "LOGFOLD_PARTITIONS": str(settings.partitions),
             "LOGFOLD_COMMAND_TIMEOUT_S": str(settings.command_timeout_s),
             "LOGFOLD_LOG_LEVEL": "WARNING",
+            # One process per `logfold api`: tests and benchmarks reason about one process's
+            # limits (websockets admitted, threads) and start several when they want several.
+            "LOGFOLD_API_WORKERS": "1",
         }
     )
     return env
