@@ -1,18 +1,23 @@
 """Write-side benchmarks on the full local stack (real Kafka broker, `logfold processor` and
 `logfold api` processes, local Postgres).
 
-    .venv/bin/python bench/commands.py load --rates 50 200 500 1000 --duration 15 --repeats 3
-    .venv/bin/python bench/commands.py profile --rate 300 --duration 20
+    .venv/bin/python bench/commands.py load --rates 50 200 500 800 1000 --duration 15 --repeats 3
+    .venv/bin/python bench/commands.py profile --rate 500 --duration 20
+    .venv/bin/python bench/commands.py compare --duration 15 --repeats 3
     .venv/bin/python bench/commands.py aggregate --events 10000 --repeats 3
 
-load: sustained commands/s and latency at several offered loads (`rename-customer` on random
-customers), and, in the same run, the raw kafka-python transactional produce rate of records of
-an event's size (the ceiling). Load is open-loop (bench/loadgen.py): requests are scheduled at
-a fixed rate and latency is measured from the scheduled send time.
+load: sustained commands/s and latency at several offered loads (`rename-customer` on 200
+customers in turn), and, in the same run, the raw kafka-python transactional produce rate of
+records of an event's size (the ceiling), and what `compare` measures. Load is open-loop
+(bench/loadgen.py): requests are scheduled at a fixed rate and latency is measured from the
+scheduled send time.
 
 profile: the same load at one rate while py-spy samples every API and processor process; the
 CPU each command costs, by stage, and per process (the broker and the load generator by
 /proc), with the records and bytes each command writes and the commands per transaction.
+
+compare: the closed loops of `load` (1 and 4 clients, and a 3,000-event aggregate) against the
+`eventsourcing` library doing the same on the same Postgres, and the produce ceiling.
 
 aggregate: the latency of commands on an aggregate with N events against a fresh one's, side by
 side (closed loop, one client at a time).
@@ -190,18 +195,22 @@ def measured(
 
 
 def closed_loop(stack: WriteStack, ids: list[str], clients: int, seconds: float) -> float:
-    """Renames/s by `clients` clients, each renaming its own customer as fast as it can,
-    with the expected version it read from the previous reply: what `bench/library.py` does
-    with the library, over HTTP."""
+    """Renames/s by `clients` clients renaming customers as fast as they can, each going round
+    its own share of `ids`, with the expected version read from the previous reply: what
+    `bench/library.py` does with the library, over HTTP."""
     apis = [HttpApi(stack.urls[c % len(stack.urls)], token()) for c in range(clients)]
-    versions: list[int | None] = [None] * clients
+    versions: dict[str, int | None] = dict.fromkeys(ids)
+    turn = [0] * clients
 
     def rename(c: int) -> None:
+        mine = ids[c::clients]
+        customer = mine[turn[c] % len(mine)]
+        turn[c] += 1
         answer = apis[c].command(
-            "rename-customer", {"name": "n"}, ids[c], expected_version=versions[c]
+            "rename-customer", {"name": "n"}, customer, expected_version=versions[customer]
         )
         assert answer.status == 201, answer
-        versions[c] = answer.body["version"]
+        versions[customer] = answer.body["version"]
 
     return loadgen.closed_loop(clients, seconds, rename)
 
@@ -230,16 +239,18 @@ def side_by_side(stack: WriteStack, args: argparse.Namespace) -> dict[str, Any]:
     long_id = grow(stack, args.long_events)
     ours = {
         "1_thread_per_s": statistics.median(
-            closed_loop(stack, stack.customers[:1], 1, args.duration) for _ in range(args.repeats)
+            closed_loop(stack, stack.customers, 1, args.duration) for _ in range(args.repeats)
         ),
         "4_thread_per_s": statistics.median(
-            closed_loop(stack, stack.customers[:4], 4, args.duration) for _ in range(args.repeats)
+            closed_loop(stack, stack.customers, 4, args.duration) for _ in range(args.repeats)
         ),
         f"{args.long_events}_event_aggregate_per_s": statistics.median(
             closed_loop(stack, [long_id], 1, args.duration) for _ in range(args.repeats)
         ),
     }
-    theirs = library.measure(stack.database_url, args.repeats, args.duration, args.long_events)
+    theirs = library.measure(
+        stack.database_url, args.repeats, args.duration, args.long_events, len(stack.customers)
+    )
     return {
         "logfold": ours,
         "eventsourcing_library": theirs,
@@ -247,6 +258,30 @@ def side_by_side(stack: WriteStack, args: argparse.Namespace) -> dict[str, Any]:
             k: ours[k.removesuffix("_async_commit")] / v for k, v in theirs.items()
         },
     }
+
+
+def ceilings(stack: WriteStack, repeats: int) -> dict[str, float]:
+    """Records/s of a bare transactional producer, 1 and 100 records per transaction."""
+    record = an_event()
+    return {
+        f"raw_txn_produce_{n}_per_txn": statistics.median(
+            raw_produce(stack.kafka.bootstrap, "bench.events.customer", record, 5, n)
+            for _ in range(repeats)
+        )
+        for n in (1, 100)
+    }
+
+
+def compare(args: argparse.Namespace) -> dict[str, object]:
+    """The closed loops of `load` against the library, and the produce ceiling, alone."""
+    with write_stack(
+        args.processors, args.apis, args.aggregates, args.env, tuple(args.broker_config)
+    ) as stack:
+        warm_up(stack, args.warmup)
+        return {
+            "ceilings_records_per_s": ceilings(stack, args.repeats),
+            "library": side_by_side(stack, args),
+        }
 
 
 def load(args: argparse.Namespace) -> dict[str, object]:
@@ -269,20 +304,13 @@ def load(args: argparse.Namespace) -> dict[str, object]:
                     },
                 }
             )
-        record = an_event()
-        ceilings = {
-            f"raw_txn_produce_{n}_per_txn": statistics.median(
-                raw_produce(stack.kafka.bootstrap, "bench.events.customer", record, 5, n)
-                for _ in range(args.repeats)
-            )
-            for n in (1, 100)
-        }
+        raw = ceilings(stack, args.repeats)
         library = side_by_side(stack, args) if args.library else None
     best = max(float(level["completed_per_s"]) for level in levels)
     return {
-        "record_bytes": len(record),
+        "record_bytes": len(an_event()),
         "levels": levels,
-        "ceilings_records_per_s": ceilings,
+        "ceilings_records_per_s": raw,
         "library": library,
         "ratio_sustained_to_library": (
             {
@@ -486,6 +514,11 @@ def main() -> None:
         help="also the eventsourcing library, side by side (a dev dependency)",
     )
     lo.add_argument("--long-events", type=int, default=3000, help="events of the long aggregate")
+    co = sub.add_parser(
+        "compare", parents=[common], help="closed loops against the eventsourcing library"
+    )
+    co.add_argument("--repeats", type=int, default=3)
+    co.add_argument("--long-events", type=int, default=3000, help="events of the long aggregate")
     pr = sub.add_parser("profile", parents=[common], help="CPU per command by stage (py-spy)")
     pr.add_argument("--rate", type=float, default=300)
     pr.add_argument("--sample-rate", type=int, default=100, help="py-spy samples/s")
@@ -494,7 +527,7 @@ def main() -> None:
     ag.add_argument("--commands", type=int, default=50, help="commands of each kind per run")
     ag.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    run = {"load": load, "profile": profile, "aggregate": aggregate}[args.which]
+    run = {"load": load, "compare": compare, "profile": profile, "aggregate": aggregate}[args.which]
     print(json.dumps(run(args), indent=2))
 
 

@@ -65,18 +65,25 @@ def application(database_url: str, threads: int) -> Customers:
 
 
 def renames_per_s(app: Customers, ids: list[uuid.UUID], threads: int, seconds: float) -> float:
-    """Closed loop: `threads` threads renaming customers (each its own) as fast as they can,
-    each rename checking the version it read before."""
-    versions: list[int | None] = [None] * threads
+    """Closed loop: `threads` threads renaming customers as fast as they can, each going round
+    its own share of `ids`, each rename checking the version read before: with one customer
+    per thread, the library would replay a longer history at every load."""
+    versions: dict[uuid.UUID, int | None] = dict.fromkeys(ids)
+    turn = [0] * threads
 
     def rename(t: int) -> None:
-        versions[t] = app.rename(ids[t % len(ids)], "n", versions[t])
+        mine = ids[t::threads]
+        customer = mine[turn[t] % len(mine)]
+        turn[t] += 1
+        versions[customer] = app.rename(customer, "n", versions[customer])
 
     return closed_loop(threads, seconds, rename)
 
 
-def measure(database_url: str, repeats: int, seconds: float, long_events: int) -> dict[str, Any]:
-    """Renames/s with 1 and 4 threads on fresh customers, and with 1 thread on a customer with
+def measure(
+    database_url: str, repeats: int, seconds: float, long_events: int, customers: int = 200
+) -> dict[str, Any]:
+    """Renames/s with 1 and 4 threads on `customers` customers, and with 1 thread on one with
     `long_events` events (the library replays them on every load: no snapshots configured);
     with Postgres's default durability (each commit waits for its WAL flush) and with
     `synchronous_commit=off` (acknowledged before the disk, as a Kafka broker acknowledges
@@ -87,7 +94,7 @@ def measure(database_url: str, repeats: int, seconds: float, long_events: int) -
         with _pgoptions("" if durable else "-c synchronous_commit=off"):
             for threads in (1, 4):
                 app = application(database_url, threads)
-                ids = [app.register(f"c{i}", f"c{i}@example.com") for i in range(threads)]
+                ids = [app.register(f"c{i}", f"c{i}@example.com") for i in range(customers)]
                 out[f"{threads}_thread_per_s{suffix}"] = statistics.median(
                     renames_per_s(app, ids, threads, seconds) for _ in range(repeats)
                 )
