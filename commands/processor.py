@@ -280,6 +280,7 @@ class CommandProcessor:
         self._claims: list[TopicPartition] = []
         self._consumer: KafkaConsumer | None = None
         self._stopping = threading.Event()
+        self._reached = False  # this session claimed a partition: Kafka was up
 
     def stop(self) -> None:
         self._stopping.set()
@@ -293,11 +294,14 @@ class CommandProcessor:
         """Process commands until `stop()`; start over from committed state after any error."""
         backoff = 0.5
         while not self._stopping.is_set():
+            self._reached = False
             try:
                 self._session()
                 backoff = 0.5
             except Exception:
                 log.exception("command processing failed; restarting from committed state")
+                if self._reached:  # Kafka answered this session: not the outage backed off from
+                    backoff = 0.5
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 10)
             finally:
@@ -338,6 +342,7 @@ class CommandProcessor:
             if tp not in consumer.assignment():
                 continue
             self.owners[tp.partition] = PartitionOwner(self.settings, self.topics, tp.partition)
+            self._reached = True
             committed = consumer.committed(tp)  # read after fencing: no pending zombie offsets
             if committed is None:
                 consumer.seek_to_beginning(tp)
