@@ -175,6 +175,14 @@ def roles(stack: WriteStack) -> dict[str, int]:
     return {**found, "broker": stack.kafka.proc.pid}
 
 
+def ms_per_command(
+    cpu: dict[str, float], names: list[str], result: loadgen.Result
+) -> dict[str, float]:
+    """CPU ms each named process spent per accepted command (from a CpuMeter's figures)."""
+    commands = max(result.statuses.get(201, 0), 1)
+    return {n: cpu[f"{n}_pct"] / 100 * float(cpu["wall_s"]) * 1e3 / commands for n in names}
+
+
 def measured(
     stack: WriteStack, rate: float, duration: float
 ) -> tuple[loadgen.Result, dict[str, float]]:
@@ -183,11 +191,9 @@ def measured(
     meter.start()
     result = offered(stack, rate, duration)
     cpu = meter.stop()
-    commands = max(result.statuses.get(201, 0), 1)
     per_kind: dict[str, float] = {}
-    for name in [*roles(stack), "load_generator"]:
+    for name, ms in ms_per_command(cpu, [*roles(stack), "load_generator"], result).items():
         kind = name.split("-")[0]
-        ms = cpu[f"{name}_pct"] / 100 * float(cpu["wall_s"]) * 1e3 / commands
         per_kind[kind] = per_kind.get(kind, 0.0) + ms
     per_kind["total"] = sum(per_kind.values())
     per_kind["machine_busy_pct"] = cpu["machine_busy_pct"]
@@ -200,12 +206,10 @@ def closed_loop(stack: WriteStack, ids: list[str], clients: int, seconds: float)
     `bench/library.py` does with the library, over HTTP."""
     apis = [HttpApi(stack.urls[c % len(stack.urls)], token()) for c in range(clients)]
     versions: dict[str, int | None] = dict.fromkeys(ids)
-    turn = [0] * clients
+    next_for = loadgen.rounds(ids, clients)
 
     def rename(c: int) -> None:
-        mine = ids[c::clients]
-        customer = mine[turn[c] % len(mine)]
-        turn[c] += 1
+        customer = next_for(c)
         answer = apis[c].command(
             "rename-customer", {"name": "n"}, customer, expected_version=versions[customer]
         )
@@ -386,10 +390,8 @@ def profile(args: argparse.Namespace) -> dict[str, object]:
         stacks = {name: rec.stop() for name, rec in recordings.items()}
         after = _topic_counts(stack.kafka.bootstrap, written)
     commands = max(result.statuses.get(201, 0), 1)
-    wall = float(cpu["wall_s"])
-    process_ms = {  # CPU per command, from /proc: what the samples are scaled to
-        name: cpu[f"{name}_pct"] / 100 * wall * 1e3 / commands for name in [*pids, "load_generator"]
-    }
+    # CPU per command, from /proc: what the samples are scaled to
+    process_ms = ms_per_command(cpu, [*pids, "load_generator"], result)
     by_stage: dict[str, float] = {}
     for name, found in stacks.items():
         rules, default = (

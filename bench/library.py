@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from eventsourcing.application import Application
 from eventsourcing.domain import Aggregate, event
 
-from bench.loadgen import closed_loop
+from bench.loadgen import closed_loop, rounds
 
 
 class Customer(Aggregate):
@@ -69,12 +69,10 @@ def renames_per_s(app: Customers, ids: list[uuid.UUID], threads: int, seconds: f
     its own share of `ids`, each rename checking the version read before: with one customer
     per thread, the library would replay a longer history at every load."""
     versions: dict[uuid.UUID, int | None] = dict.fromkeys(ids)
-    turn = [0] * threads
+    next_for = rounds(ids, threads)
 
     def rename(t: int) -> None:
-        mine = ids[t::threads]
-        customer = mine[turn[t] % len(mine)]
-        turn[t] += 1
+        customer = next_for(t)
         versions[customer] = app.rename(customer, "n", versions[customer])
 
     return closed_loop(threads, seconds, rename)

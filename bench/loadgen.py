@@ -14,7 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
+
+T = TypeVar("T")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -180,3 +183,16 @@ def closed_loop(workers: int, seconds: float, work: Callable[[int], None]) -> fl
     for t in threads:
         t.join()
     return sum(done) / (time.perf_counter() - start)
+
+
+def rounds(items: list[T], workers: int) -> Callable[[int], T]:
+    """`next_for(w)`: worker `w`'s next item, going round its own share of `items` (so no two
+    workers touch the same one)."""
+    turn = [0] * workers
+
+    def next_for(w: int) -> T:
+        mine = items[w::workers]
+        turn[w] += 1
+        return mine[(turn[w] - 1) % len(mine)]
+
+    return next_for

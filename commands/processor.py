@@ -134,7 +134,7 @@ class PartitionOwner:
 
     def _end_offsets(self) -> dict[str, int]:
         """The next offset of this partition in each event topic."""
-        consumer = KafkaConsumer(bootstrap_servers=self.settings.kafka(), metrics_enabled=False)
+        consumer = committed_reader(self.settings.kafka())  # no transaction open: LSO = end
         try:
             tps = [TopicPartition(self.topics.events(name), self.partition) for name in AGGREGATES]
             return {tp.topic: int(offset) for tp, offset in consumer.end_offsets(tps).items()}
@@ -192,6 +192,7 @@ class PartitionOwner:
             offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
             self.producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
             self.producer.flush()
+            touched = set()
             for future, offset in expected:
                 got = future.get()
                 if got.offset != offset:
@@ -199,8 +200,9 @@ class PartitionOwner:
                         f"{got.topic}[{got.partition}] gave offset {got.offset}, not {offset}: "
                         "another producer writes there; starting over from Kafka"
                     )
+                touched.add(got.topic)
             self.producer.commit_transaction()
-            for topic in {got.topic for got in (f.get() for f, _ in expected)}:
+            for topic in touched:
                 self.next_offset[topic] += 1  # the commit marker
         except BaseException:
             # Fenced or broken: the caller throws this state away and restarts from Kafka.
