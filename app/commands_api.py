@@ -41,7 +41,12 @@ def post_command(name: str) -> Response:
             [{"field": "Idempotency-Key", "problem": "must be 1 to 128 characters"}],
         )
     aggregate_id = req.aggregate_id or _new_aggregate_id(spec, key)
-    fingerprint = _fingerprint(name, req.aggregate_id, req.expected_version, data)
+    # Only a retry under the same key is compared with it.
+    fingerprint = (
+        _fingerprint(name, req.aggregate_id, req.expected_version, data)
+        if key is not None
+        else None
+    )
     bus: CommandBus = current_app.extensions["logfold.bus"]
     msg = bus.new_message(
         command_id=str(uuid.uuid4()),

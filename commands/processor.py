@@ -2,11 +2,11 @@
 
 Processors form one consumer group on the commands topic. The owner of partition `p` keeps the
 state of every aggregate in `p` in memory (restored from the snapshot topic on assignment),
-decides each command, and writes events, snapshots, idempotency records, the reply and its
-consumer offset in one Kafka transaction. Each partition has its own transactional id, so a new
-owner's `init_transactions` fences a zombie that still thinks it owns the partition and aborts
-whatever it had in flight. Any failure throws the in-memory state away and starts over from
-what is committed."""
+decides each command, and writes events, snapshots, idempotency records, the reply and where
+processing resumes (the next command offset) in one Kafka transaction. Each partition has its
+own transactional id, so a new owner's `init_transactions` fences a zombie that still thinks it
+owns the partition and aborts whatever it had in flight. Any failure throws the in-memory state
+away and starts over from what is committed."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from commands.messages import CommandMessage, Position, Reply
 from commands.registry import AGGREGATES
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
-from events.store import committed_reader, drain, read_to_end
+from events.store import committed_reader, drain
 from stack.settings import Settings
 from stack.topics import Topics
 
@@ -128,39 +128,47 @@ class PartitionOwner:
         )
         # Fences any previous owner of this partition and aborts its open transaction.
         self.producer.init_transactions()
+        self.resume_at: int | None = None  # the next command to process, if ever recorded
+        self.next_offset: dict[str, int] = {}
         self.state = self._restore()
-        # Read after fencing, so no other transaction is open there: see `process`.
-        self.next_offset = self._end_offsets()
-
-    def _end_offsets(self) -> dict[str, int]:
-        """The next offset of this partition in each event topic."""
-        consumer = committed_reader(self.settings.kafka())  # no transaction open: LSO = end
-        try:
-            tps = [TopicPartition(self.topics.events(name), self.partition) for name in AGGREGATES]
-            return {tp.topic: int(offset) for tp, offset in consumer.end_offsets(tps).items()}
-        finally:
-            consumer.close()
 
     def _restore(self) -> PartitionState:
+        """Read this partition's committed write-model state, where its processing resumes and
+        its event topics' end offsets (see `process`), with one consumer. Read after fencing,
+        so no other transaction is open there: the last stable offsets are the ends."""
         state = PartitionState()
-        bootstrap, p = self.settings.kafka(), [self.partition]
-        for r in read_to_end(bootstrap, self.topics.snapshots, p):
-            if r.value is not None:
+        p, topics = self.partition, self.topics
+        consumer = committed_reader(self.settings.kafka())
+        try:
+            events = [TopicPartition(topics.events(name), p) for name in AGGREGATES]
+            self.next_offset = {
+                tp.topic: int(offset) for tp, offset in consumer.end_offsets(events).items()
+            }
+            tps = [
+                TopicPartition(t, p)
+                for t in (topics.snapshots, topics.idempotency, topics.command_offsets)
+            ]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            now = time.time()
+            for r in drain(consumer, tps, timeout=60.0):
+                if r.value is None:
+                    continue
                 doc = loads(r.value)
-                key = (doc["aggregate_type"], doc["aggregate_id"])
-                state.aggregates[key] = AggregateRecord.from_snapshot(doc)
-        now = time.time()
-        for r in read_to_end(bootstrap, self.topics.idempotency, p):
-            if r.value is not None:
-                doc = loads(r.value)
-                doc.setdefault("at", r.timestamp / 1000)  # records from before `at` existed
-                state.remember(r.key.decode(), IdempotencyRecord(**doc), now)
+                if r.topic == topics.snapshots:
+                    key = (doc["aggregate_type"], doc["aggregate_id"])
+                    state.aggregates[key] = AggregateRecord.from_snapshot(doc)
+                elif r.topic == topics.idempotency:
+                    doc.setdefault("at", r.timestamp / 1000)  # records from before `at` existed
+                    state.remember(r.key.decode(), IdempotencyRecord(**doc), now)
+                else:
+                    self.resume_at = int(doc["next_offset"])
+        finally:
+            consumer.close()
         log.info("partition %s restored: %s aggregates", self.partition, len(state.aggregates))
         return state
 
-    def process(
-        self, records: list[ConsumerRecord], consumer: KafkaConsumer, refs: References
-    ) -> None:
+    def process(self, records: list[ConsumerRecord], refs: References) -> int:
         """Decide a batch of commands and commit all its effects in one transaction.
 
         Everything the transaction writes goes out at once, replies included, although a reply
@@ -169,7 +177,12 @@ class PartitionOwner:
         advance — the end offset found on claiming it, plus one per event, plus one per commit
         marker. The offsets Kafka gives are checked before the commit; a difference (something
         else wrote there) aborts the transaction and starts over from Kafka. Waiting for the
-        events' offsets before sending the rest cost two more round trips per transaction."""
+        events' offsets before sending the rest cost two more round trips per transaction.
+
+        Where processing resumes is a record of the transaction too (the `command-offsets`
+        topic), not the consumer group's offset: `send_offsets_to_transaction` costs two more
+        requests and a commit marker in `__consumer_offsets` per transaction. Returns the next
+        command offset, now committed."""
         self.producer.begin_transaction()
         try:
             expected: list[tuple[Any, int]] = []  # (the send's future, the offset it must get)
@@ -188,9 +201,13 @@ class PartitionOwner:
                     value=Reply.encode_many(batch),
                     partition=partition_for(reply_to, self.settings.partitions),
                 )
-            tp = TopicPartition(self.topics.commands, self.partition)
-            offsets = {tp: OffsetAndMetadata(records[-1].offset + 1, "", -1)}
-            self.producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
+            next_command: int = records[-1].offset + 1
+            self.producer.send(
+                self.topics.command_offsets,
+                key=str(self.partition).encode(),
+                value=dumps({"next_offset": next_command}),
+                partition=self.partition,
+            )
             self.producer.flush()
             touched = set()
             for future, offset in expected:
@@ -204,6 +221,7 @@ class PartitionOwner:
             self.producer.commit_transaction()
             for topic in touched:
                 self.next_offset[topic] += 1  # the commit marker
+            return next_command
         except BaseException:
             # Fenced or broken: the caller throws this state away and restarts from Kafka.
             with contextlib.suppress(Exception):
@@ -283,6 +301,8 @@ class CommandProcessor:
         self._consumer: KafkaConsumer | None = None
         self._stopping = threading.Event()
         self._reached = False  # this session claimed a partition: Kafka was up
+        self._processed: dict[TopicPartition, OffsetAndMetadata] = {}  # not yet in the group
+        self._reported_at = 0.0
 
     def stop(self) -> None:
         self._stopping.set()
@@ -334,9 +354,21 @@ class CommandProcessor:
                 for tp, records in batches.items():
                     owner = self.owners.get(tp.partition)
                     if owner is not None and records:
-                        owner.process(records, consumer, refs)
+                        next_command = owner.process(records, refs)
+                        self._processed[tp] = OffsetAndMetadata(next_command, "", -1)
+                self._report(consumer, idle=not batches)
         finally:
             replica.close()
+
+    def _report(self, consumer: KafkaConsumer, idle: bool) -> None:
+        """Copy what is processed to the consumer group's offsets, at most once a second (or
+        when idle), for tools and `/health` to show the lag. Only a copy: processing resumes
+        from the `command-offsets` records, which commit with the rest (see `process`)."""
+        now = time.monotonic()
+        if not self._processed or (not idle and now - self._reported_at < 1.0):
+            return
+        offsets, self._processed, self._reported_at = self._processed, {}, now
+        consumer.commit_async(offsets, callback=_log_failed_report)
 
     def _claim(self, consumer: KafkaConsumer) -> None:
         while self._claims:
@@ -345,7 +377,9 @@ class CommandProcessor:
                 continue
             self.owners[tp.partition] = PartitionOwner(self.settings, self.topics, tp.partition)
             self._reached = True
-            committed = consumer.committed(tp)  # read after fencing: no pending zombie offsets
+            owner = self.owners[tp.partition]
+            # Deployments from before the command-offsets topic have only the group's offsets.
+            committed = owner.resume_at if owner.resume_at is not None else consumer.committed(tp)
             if committed is None:
                 consumer.seek_to_beginning(tp)
             else:
@@ -358,9 +392,15 @@ class CommandProcessor:
             owner.close()
         self.owners.clear()
         self._claims.clear()
+        self._processed.clear()
         if self._consumer is not None:
             self._consumer.close(autocommit=False)
             self._consumer = None
+
+
+def _log_failed_report(offsets: object, response: object) -> None:
+    if isinstance(response, Exception):  # a rebalance, say: the next report catches up
+        log.debug("could not copy processed offsets to the group: %s", response)
 
 
 def serve(settings: Settings) -> Any:

@@ -52,6 +52,10 @@ class Topics:
         return f"{self.prefix}idempotency"
 
     @property
+    def command_offsets(self) -> str:
+        return f"{self.prefix}command-offsets"
+
+    @property
     def processor_group(self) -> str:
         return f"{self.prefix}logfold-command-processors"
 
@@ -80,6 +84,11 @@ class Topics:
                     "cleanup.policy": "compact,delete",
                     "retention.ms": str(int(IDEMPOTENCY_RETENTION_S * 1000)),
                 },
+            ),
+            TopicSpec(
+                self.command_offsets,
+                "where each partition's command processing resumes (written in its transactions)",
+                compact,
             ),
             TopicSpec(
                 self.commands,
