@@ -20,6 +20,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from commands.handling import (
@@ -368,7 +369,10 @@ class CommandProcessor:
         if not self._processed or (not idle and now - self._reported_at < 1.0):
             return
         offsets, self._processed, self._reported_at = self._processed, {}, now
-        consumer.commit_async(offsets, callback=_log_failed_report)
+        try:
+            consumer.commit_async(offsets, callback=_log_failed_report)
+        except KafkaError as e:  # never a reason to stop processing
+            _log_failed_report(offsets, e)
 
     def _claim(self, consumer: KafkaConsumer) -> None:
         while self._claims:
