@@ -9,7 +9,7 @@ from typing import Any
 
 from flask import Flask
 
-from app import commands_api, errors, live_page, ops, views_api, ws_api
+from app import commands_api, errors, live_page, ops, streams_api, views_api, ws_api
 from app.auth import check_secret
 from app.health import HealthChecks, HealthMonitor
 from app.live import Hub
@@ -20,6 +20,7 @@ from commands.bus import CommandBus
 from projections.registry import CAPTURED
 from stack.settings import Settings
 from stack.topics import Topics
+from streams.ingest import Ingestion
 
 
 def create_app(settings: Settings, **overrides: Any) -> Flask:
@@ -33,6 +34,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["logfold.settings"] = settings
     app.extensions["logfold.bus"] = overrides.get("bus") or CommandBus(settings)
+    app.extensions["logfold.ingestion"] = overrides.get("ingestion") or Ingestion(settings)
     read_model = overrides.get("read_model") or ReadModel(settings)
     app.extensions["logfold.read_model"] = read_model
     app.extensions["logfold.health"] = overrides.get("health") or HealthMonitor(
@@ -53,6 +55,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     errors.register(app)
     app.register_blueprint(ops.bp)
     app.register_blueprint(commands_api.bp)
+    app.register_blueprint(streams_api.bp)
     app.register_blueprint(views_api.bp)
     app.register_blueprint(ws_api.bp)
     app.register_blueprint(live_page.bp)
@@ -63,4 +66,5 @@ def close_app(app: Flask) -> None:
     app.extensions["logfold.health"].stop()
     app.extensions["logfold.hub"].stop()
     app.extensions["logfold.bus"].close()
+    app.extensions["logfold.ingestion"].close()
     app.extensions["logfold.read_model"].close_offsets()

@@ -1,4 +1,5 @@
-"""Bearer tokens (JWT, HS256) with scopes: `commands:write`, `views:read`, `admin`."""
+"""Bearer tokens (JWT, HS256) with scopes: `commands:write`, `views:read`, `streams:write`,
+`admin`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from flask import current_app, g, request
 
 from app.errors import ApiError
 
-SCOPES = ("commands:write", "views:read", "admin")
+SCOPES = ("commands:write", "views:read", "streams:write", "admin")
 ISSUER = "logfold"
 MIN_SECRET_BYTES = 32  # HS256 keys shorter than the hash (RFC 7518 3.2) are guessable
 # Values people copy from examples; a secret containing one is somebody else's secret.

@@ -12,7 +12,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import ValidationError
 
 from app.auth import require
-from app.errors import ApiError
+from app.errors import ApiError, json_body
 from commands.bus import CommandBus, ReplyTimeout, Unavailable
 from commands.registry import COMMANDS, CommandSpec
 from commands.schemas import CommandRequest, details
@@ -28,9 +28,7 @@ def post_command(name: str) -> Response:
     spec = COMMANDS.get(name)
     if spec is None:
         raise ApiError(404, "not_found", f"unknown command {name!r}; see /openapi.json")
-    if request.mimetype != "application/json":
-        raise ApiError(415, "unsupported_media_type", "send the command as application/json")
-    body = _parse_json()
+    body = json_body()
     req, data = _validate(spec, body)
     key = request.headers.get("Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 128:
@@ -93,13 +91,6 @@ def post_command(name: str) -> Response:
         response.headers["Idempotent-Replay"] = "true"
     metrics.count(name, reply.status)
     return response
-
-
-def _parse_json() -> Any:
-    try:
-        return json.loads(request.get_data(cache=False))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}") from e
 
 
 def _validate(spec: CommandSpec, body: Any) -> tuple[CommandRequest, dict[str, Any]]:

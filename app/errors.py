@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,16 @@ def error_response(
     return response
 
 
+def json_body() -> Any:
+    """The request's body as JSON: `415` unless it says it is JSON, `400` unless it is."""
+    if request.mimetype != "application/json":
+        raise ApiError(415, "unsupported_media_type", "send the body as application/json")
+    try:
+        return json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}") from e
+
+
 def register(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def _api_error(e: ApiError) -> Response:
@@ -62,7 +73,7 @@ def register(app: Flask) -> None:
         status = e.code or 500
         message = e.description or e.name
         if status == 413:
-            message = f"the body is larger than {app.config['MAX_CONTENT_LENGTH']} bytes"
+            message = f"the body is larger than {request.max_content_length} bytes"
         response = error_response(status, HTTP_CODES.get(status, "error"), message)
         if status == 405 and e.get_response().headers.get("Allow"):
             response.headers["Allow"] = e.get_response().headers["Allow"]

@@ -7,10 +7,12 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.streams_api import MAX_BYTES, MAX_RECORDS
 from app.views_api import MAX_LIMIT, MAX_WAIT_S
 from commands.registry import COMMANDS
 from commands.schemas import CommandRequest
 from projections.registry import VIEWS
+from streams.registry import STREAMS
 
 ERRORS = {
     "400": "malformed_json",
@@ -31,7 +33,11 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def build_spec() -> dict[str, Any]:
-    models: list[type[BaseModel]] = [CommandRequest, *(s.schema for s in COMMANDS.values())]
+    models: list[type[BaseModel]] = [
+        CommandRequest,
+        *(s.schema for s in COMMANDS.values()),
+        *(s.schema for s in STREAMS.values()),
+    ]
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
@@ -120,6 +126,7 @@ def build_spec() -> dict[str, Any]:
                 },
             }
         }
+    paths.update(stream_paths(errors))
     paths.update(view_paths(errors))
     paths.update(operations_paths(errors))
     return {
@@ -183,6 +190,68 @@ CONSISTENCY = [
         "schema": {"type": "string", "maxLength": 200},
     },
 ]
+
+
+def stream_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    """`POST /streams/<stream>/records` of every declared stream."""
+    paths: dict[str, Any] = {}
+    for stream in STREAMS.values():
+        record = {
+            "type": "object",
+            "required": ["id", "occurred_at", "data"],
+            "additionalProperties": False,
+            "properties": {
+                "id": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 128,
+                    "description": "the record's identity: a retry with the same id is harmless",
+                },
+                "occurred_at": {
+                    "type": "string",
+                    "format": "date-time",
+                    "description": "event time (the device's clock), with a zone",
+                },
+                "data": _ref(stream.schema),
+            },
+        }
+        body = {
+            "type": "object",
+            "required": ["records"],
+            "additionalProperties": False,
+            "properties": {
+                "records": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": MAX_RECORDS,
+                    "items": record,
+                }
+            },
+        }
+        paths[f"/streams/{stream.name}/records"] = {
+            "post": {
+                "summary": f"{stream.summary} (at most {MAX_RECORDS} records, {MAX_BYTES} bytes)",
+                "operationId": f"ingest_{stream.name}",
+                "tags": ["streams"],
+                "security": [{"bearer": ["streams:write"]}],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": body}},
+                },
+                "responses": {
+                    "202": _json(
+                        {
+                            "type": "object",
+                            "required": ["accepted"],
+                            "properties": {"accepted": {"type": "integer"}},
+                        },
+                        "every record of the request is committed in Kafka",
+                    ),
+                    **_pick(errors, "400", "401", "403", "404", "413", "415", "422", "503"),
+                },
+            }
+        }
+    return paths
 
 
 def view_paths(errors: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kafka import KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -265,12 +266,22 @@ def side_by_side(stack: WriteStack, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def ceilings(stack: WriteStack, repeats: int) -> dict[str, float]:
-    """Records/s of a bare transactional producer, 1 and 100 records per transaction."""
+    """Records/s of a bare transactional producer, 1 and 100 records per transaction, into a
+    topic of its own configured like an event topic (writing into an event topic would move
+    the offsets the processor announces, and restart it)."""
     record = an_event()
+    topic = "bench.ceiling"
+    admin = KafkaAdminClient(bootstrap_servers=stack.kafka.bootstrap)
+    try:
+        if topic not in admin.list_topics():
+            spec = Topics(stack.settings.topic_prefix).specs()[0]  # an event topic
+            admin.create_topics([NewTopic(topic, 1, 1, topic_configs=spec.configs)])
+            admin.wait_for_topics([topic], timeout_ms=30000)
+    finally:
+        admin.close()
     return {
         f"raw_txn_produce_{n}_per_txn": statistics.median(
-            raw_produce(stack.kafka.bootstrap, "bench.events.customer", record, 5, n)
-            for _ in range(repeats)
+            raw_produce(stack.kafka.bootstrap, topic, record, 5, n) for _ in range(repeats)
         )
         for n in (1, 100)
     }
@@ -485,8 +496,20 @@ def main() -> None:
     )
     sub = parser.add_subparsers(dest="which", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--processors", type=int, default=2)
-    common.add_argument("--apis", type=int, default=2, help="API processes")
+    # As `make run` starts them (LOGFOLD_PROCESSORS, LOGFOLD_API_WORKERS).
+    defaults = Settings.model_fields
+    common.add_argument(
+        "--processors",
+        type=int,
+        default=defaults["processors"].default,
+        help="processor processes (default %(default)s, as `make run`)",
+    )
+    common.add_argument(
+        "--apis",
+        type=int,
+        default=defaults["api_workers"].default,
+        help="API processes (default %(default)s, as `make run`)",
+    )
     common.add_argument("--aggregates", type=int, default=200, help="customers renamed")
     common.add_argument("--duration", type=float, default=15, help="seconds per run")
     common.add_argument("--warmup", type=float, default=45, help="seconds of load first")

@@ -253,7 +253,7 @@ def topics(create: bool) -> None:
     "--scope",
     "scopes",
     multiple=True,
-    type=click.Choice(["commands:write", "views:read", "admin"]),
+    type=click.Choice(["commands:write", "views:read", "streams:write", "admin"]),
     help="Scope to grant (repeatable); all scopes by default.",
 )
 @click.option("--subject", default="developer", show_default=True, help="The token's subject.")

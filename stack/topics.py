@@ -14,6 +14,7 @@ from kafka.errors import TopicAlreadyExistsError
 from commands.handling import IDEMPOTENCY_RETENTION_S
 from events.catalog import AGGREGATE_TYPES
 from stack.settings import Settings
+from streams.registry import STREAMS
 
 DAY_MS = 24 * 3600 * 1000
 
@@ -62,6 +63,9 @@ class Topics:
     def transactional_id(self, partition: int) -> str:
         return f"{self.prefix}logfold-command-partition-{partition}"
 
+    def stream(self, name: str) -> str:
+        return f"{self.prefix}streams.{name}"
+
     def cdc(self, table: str) -> str:
         return f"{self.prefix}cdc.{table}"
 
@@ -99,6 +103,15 @@ class Topics:
                 self.replies,
                 "command outcomes for the API process waiting on them",
                 {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+            ),
+            # Append-only; kept for good, so every view over a stream can be rebuilt from it.
+            *(
+                TopicSpec(
+                    self.stream(name),
+                    f"records of the {name} stream",
+                    {"cleanup.policy": "delete", "retention.ms": "-1"},
+                )
+                for name in STREAMS
             ),
             # One partition: a table's changelog is one total order (commit order), which is
             # what websocket positions and `since` rely on.

@@ -1,0 +1,122 @@
+"""Appending a request's records to their stream's topic: one Kafka transaction per request, so
+a request is committed whole or not at all (guarantee 19)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
+
+from events.partitioning import partition_for
+from events.serialization import dumps
+from stack.settings import Settings
+from stack.topics import Topics
+from streams.registry import Stream
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """Kafka did not commit the request's records; a retry with the same ids is harmless."""
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    """A record as it lands in `streams.<name>`: keyed by `id`."""
+
+    id: str
+    occurred_at: str  # ISO-8601, UTC: the device's clock (event time)
+    received_at: str  # ISO-8601, UTC: when the API accepted it
+    data: dict[str, Any]
+
+
+class Ingestion:
+    """One transactional producer per API process, one transaction at a time. A producer that
+    failed is thrown away: the next request starts a new one, whose `init_transactions` aborts
+    whatever the old one left open."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.transactional_id = f"{settings.topic_prefix}logfold-ingest-{uuid.uuid4()}"
+        self._producer: KafkaProducer | None = None
+        self._lock = threading.Lock()
+
+    def _get_producer(self) -> KafkaProducer:
+        if self._producer is None:
+            timeout_ms = int(self.settings.kafka_timeout_s * 1000)
+            producer = KafkaProducer(
+                bootstrap_servers=self.settings.kafka(),
+                metrics_enabled=False,
+                transactional_id=self.transactional_id,
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=5,
+                batch_size=256 * 1024,
+                max_request_size=2 * 1024 * 1024,
+                max_block_ms=timeout_ms,
+                request_timeout_ms=timeout_ms,
+                retry_backoff_ms=10,
+            )
+            try:
+                producer.init_transactions()
+            except BaseException:
+                producer.close(timeout=0)
+                raise
+            self._producer = producer
+        return self._producer
+
+    def append(self, stream: Stream, records: list[FactRecord]) -> None:
+        """Commit every record or raise Unavailable (then none is visible to readers)."""
+        topic = self.topics.stream(stream.name)
+        n = self.settings.partitions
+        with self._lock:
+            try:
+                producer = self._get_producer()
+            except Exception as e:
+                raise Unavailable(str(e)) from e
+            try:
+                producer.begin_transaction()
+                for r in records:
+                    producer.send(
+                        topic,
+                        key=r.id.encode(),
+                        value=dumps(r),
+                        partition=partition_for(str(r.data[stream.key]), n),
+                    )
+                producer.flush(timeout=self.settings.kafka_timeout_s)
+                self._commit(producer)
+            except Exception as e:
+                self._discard()
+                raise Unavailable(str(e)) from e
+
+    def _commit(self, producer: KafkaProducer) -> None:
+        """`commit_transaction()`, bounded: kafka-python's waits for the broker without limit."""
+        result = producer._transaction_manager.begin_commit()
+        producer._sender.wakeup()
+        if not result.wait(timeout_ms=int(self.settings.kafka_timeout_s * 1000)):
+            raise KafkaTimeoutError("the transaction's commit was not acknowledged in time")
+
+    def _discard(self) -> None:
+        """Drop a failed producer at once: its pending records fail (their transaction is
+        aborted by the next producer's `init_transactions`), so `close()` need not wait."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer._sender.force_close()
+                producer._sender.join(timeout=self.settings.kafka_timeout_s)
+            with contextlib.suppress(Exception):
+                producer.close(timeout=0)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._producer is not None:
+                with contextlib.suppress(Exception):
+                    self._producer.close(timeout=5)
+                self._producer = None
