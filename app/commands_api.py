@@ -12,7 +12,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from pydantic import ValidationError
 
 from app.auth import require
-from app.errors import ApiError, json_body
+from app.errors import ApiError, json_object, unavailable
 from commands.bus import CommandBus, ReplyTimeout, Unavailable
 from commands.registry import COMMANDS, CommandSpec
 from commands.schemas import CommandRequest, details
@@ -28,7 +28,7 @@ def post_command(name: str) -> Response:
     spec = COMMANDS.get(name)
     if spec is None:
         raise ApiError(404, "not_found", f"unknown command {name!r}; see /openapi.json")
-    body = json_body()
+    body = json_object()
     req, data = _validate(spec, body)
     key = request.headers.get("Idempotency-Key")
     if key is not None and not 1 <= len(key) <= 128:
@@ -66,13 +66,7 @@ def post_command(name: str) -> Response:
         reply = bus.submit(msg)
     except Unavailable as e:
         metrics.count(name, 503)
-        retry = str(current_app.config["RETRY_AFTER_S"])
-        raise ApiError(
-            503,
-            "unavailable",
-            f"Kafka is unavailable; nothing was written ({e})",
-            headers={"Retry-After": retry},
-        ) from e
+        raise unavailable(f"Kafka is unavailable; nothing was written ({e})") from e
     except ReplyTimeout as e:
         metrics.count(name, 504)
         raise ApiError(
@@ -93,14 +87,7 @@ def post_command(name: str) -> Response:
     return response
 
 
-def _validate(spec: CommandSpec, body: Any) -> tuple[CommandRequest, dict[str, Any]]:
-    if not isinstance(body, dict):
-        raise ApiError(
-            422,
-            "validation_failed",
-            "the body must be a JSON object",
-            [{"field": "", "problem": "expected an object"}],
-        )
+def _validate(spec: CommandSpec, body: dict[str, Any]) -> tuple[CommandRequest, dict[str, Any]]:
     problems: list[dict[str, str]] = []
     req: CommandRequest | None = None
     try:

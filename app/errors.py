@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Any
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,25 @@ def json_body() -> Any:
         return json.loads(request.get_data(cache=False))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {e}") from e
+
+
+def json_object() -> dict[str, Any]:
+    """`json_body()`, which must be a JSON object (`422` otherwise)."""
+    body = json_body()
+    if not isinstance(body, dict):
+        raise ApiError(
+            422,
+            "validation_failed",
+            "the body must be a JSON object",
+            [{"field": "", "problem": "expected an object"}],
+        )
+    return body
+
+
+def unavailable(message: str) -> ApiError:
+    """A `503` telling the client when to try again (`Retry-After`)."""
+    retry = str(current_app.config["RETRY_AFTER_S"])
+    return ApiError(503, "unavailable", message, headers={"Retry-After": retry})
 
 
 def register(app: Flask) -> None:

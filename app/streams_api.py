@@ -9,7 +9,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from app.auth import require
-from app.errors import ApiError, json_body
+from app.errors import ApiError, json_object, unavailable
 from commands.schemas import details
 from streams.ingest import FactRecord, Ingestion, Unavailable
 from streams.registry import STREAMS, Stream
@@ -51,32 +51,22 @@ def post_records(name: str) -> Response:
     if stream is None:
         raise ApiError(404, "not_found", f"unknown stream {name!r}; see /openapi.json")
     request.max_content_length = MAX_BYTES
-    records = _validate(stream, json_body(), datetime.now(UTC))
+    records = _validate(stream, json_object(), datetime.now(UTC))
     ingestion: Ingestion = current_app.extensions["logfold.ingestion"]
     try:
         ingestion.append(stream, records)
     except Unavailable as e:
-        raise ApiError(
-            503,
-            "unavailable",
+        raise unavailable(
             f"Kafka is unavailable; the records were not accepted ({e}). Retry the same "
-            "request: a record's id makes a retry harmless.",
-            headers={"Retry-After": str(current_app.config["RETRY_AFTER_S"])},
+            "request: a record's id makes a retry harmless."
         ) from e
     response = jsonify({"accepted": len(records)})
     response.status_code = 202
     return response
 
 
-def _validate(stream: Stream, body: Any, now: datetime) -> list[FactRecord]:
+def _validate(stream: Stream, body: dict[str, Any], now: datetime) -> list[FactRecord]:
     """Every record valid, or `422` listing each problem (`records.<index>.<field>`)."""
-    if not isinstance(body, dict):
-        raise ApiError(
-            422,
-            "validation_failed",
-            "the body must be a JSON object",
-            [{"field": "", "problem": "expected an object"}],
-        )
     try:
         raw = RecordsIn.model_validate(body).records
     except ValidationError as e:

@@ -10,7 +10,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app.auth import narrowed, require, row_scope
-from app.errors import ApiError
+from app.errors import ApiError, unavailable
 from app.read_model import BadValue, ReadModel
 from commands.messages import Position
 from projections.base import Fold, View
@@ -87,12 +87,7 @@ def _unavailable(fn: Any) -> Any:
             return fn(*args, **kwargs)
         except (OperationalError, PoolTimeout, KafkaError) as e:
             which = "Kafka" if isinstance(e, KafkaError) else "Postgres"
-            raise ApiError(
-                503,
-                "unavailable",
-                f"{which} is unavailable; try again",
-                headers={"Retry-After": str(current_app.config["RETRY_AFTER_S"])},
-            ) from e
+            raise unavailable(f"{which} is unavailable; try again") from e
 
     wrapper.__name__ = fn.__name__
     return wrapper

@@ -22,7 +22,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app.auth import narrowed, row_scope, scopes, verify
-from app.errors import ApiError
+from app.errors import ApiError, unavailable
 from app.live import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, ReadModel
 from cdc.changes import Position, Snapshot
@@ -113,12 +113,7 @@ def admit() -> None:
     (the client tries again later, or another API process)."""
     admission: Admission = current_app.extensions["logfold.ws_admission"]
     if not admission.enter():
-        raise ApiError(
-            503,
-            "unavailable",
-            "this API process holds as many websockets as it may; try again later",
-            headers={"Retry-After": str(current_app.config["RETRY_AFTER_S"])},
-        )
+        raise unavailable("this API process holds as many websockets as it may; try again later")
     g.ws_admitted = True
 
 
