@@ -7,6 +7,7 @@ Spark."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import Column, DataFrame
@@ -35,6 +36,7 @@ __all__ = [
     "each_paid_line",
     "field",
     "fold",
+    "hopping_windows",
     "one",
     "row",
     "royalty_cents",
@@ -60,6 +62,17 @@ def field(name: str) -> Column:
 def when_type(types: str | tuple[str, ...], value: Column) -> Column:
     names = (types,) if isinstance(types, str) else types
     return F.when(F.col("type").isin(*names), value)
+
+
+def hopping_windows(at: Column, size: timedelta, advance: timedelta) -> Column:
+    """The starts of the windows `size` long, one every `advance` (from the epoch), that
+    contain the time `at`: an array of `size / advance` timestamps, newest first."""
+    step, count = int(advance.total_seconds()), int(size / advance)
+    newest = F.floor(F.unix_seconds(at) / step) * step
+    return F.transform(
+        F.sequence(F.lit(0), F.lit(count - 1)),
+        lambda k: F.timestamp_seconds(newest - k * step),
+    )
 
 
 def royalty_cents(quantity: Column, unit_price_cents: Column, rate: Column) -> Column:

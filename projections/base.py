@@ -29,6 +29,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sqlalchemy import Table
@@ -101,6 +102,18 @@ class Output(View):
         from projections._fold import fold
 
         return fold(self, events)
+
+    @property
+    def replayed(self) -> bool:
+        """Whether a rebuild must replay the log through `merge_sql` (the rows of this output
+        combine only in Postgres) instead of folding it in Spark (`transform`)."""
+        return False
+
+    def merge_sql(self, target: str, rows: str) -> str:
+        """Merge a batch's rows (`rows`: the name of a JSON array parameter, one object per
+        row, any number per key) into `target` (this table or its shadow)."""
+        source = f"jsonb_populate_recordset(NULL::{self.name}, {rows}::jsonb) WITH ORDINALITY AS r"
+        return self.upsert_sql(target, f"({self.combine_sql(source)}) AS batch")
 
     def combine_sql(self, source: str) -> str:
         """SELECT of one row per key from `source`, a set of rows of this table with an
@@ -185,19 +198,45 @@ class Fold(ABC):
 
 @dataclass(frozen=True)
 class Projection(Fold):
-    """Folds the events of some aggregate types (`topics`) into its outputs."""
+    """Folds the events of some aggregate types (`topics`) and the records of some streams of
+    facts (`streams`) into its outputs.
+
+    A projection that reads streams declares its watermark, `lateness`: a record (or event) is
+    late when its event time (`occurred_at`) is more than `lateness` older than the time its
+    record reached the log (when the API received it). Late records are counted in the
+    projection's `late_events` and left out of its outputs. Both times are in the log, so
+    lateness does not depend on when or in which batches the log is read: the live views and a
+    rebuild agree. A stream record's `id` is counted once (guarantee 20): a record whose id the
+    projection has already counted (in `stream_ids`, for as long as a copy could still be on
+    time) is left out as a retry."""
 
     name: str
     topics: tuple[str, ...]  # aggregate types whose events it reads
     outputs: tuple[Output, ...] = field(default_factory=tuple)
-    transactional: ClassVar[bool] = True  # the command processors write in transactions
+    streams: tuple[str, ...] = ()  # streams of facts whose records it reads
+    lateness: timedelta | None = None  # its watermark (required with streams)
+    transactional: ClassVar[bool] = True  # the command processors and ingestion use transactions
+
+    def __post_init__(self) -> None:
+        if self.streams and self.lateness is None:
+            raise ValueError(f"projection {self.name} reads streams: declare its `lateness`")
 
     @property
     def views(self) -> tuple[View, ...]:
         return self.outputs
 
+    @property
+    def replayed(self) -> bool:
+        """Rebuilt by replaying its log through the live pipeline's merge (into shadows), not
+        by a fold in Spark: it counts ids or has outputs that combine only in Postgres."""
+        return bool(self.streams) or any(o.replayed for o in self.outputs)
+
+    def topic_names(self, topics: Topics) -> list[str]:
+        """The Kafka topics it reads."""
+        return [topics.events(t) for t in self.topics] + [topics.stream(s) for s in self.streams]
+
     def reads(self, topics: Topics, partitions: int) -> list[str]:
-        return [f"{topics.events(t)}:{p}" for t in self.topics for p in range(partitions)]
+        return [f"{t}:{p}" for t in self.topic_names(topics) for p in range(partitions)]
 
 
 Role = Literal["left", "right"]

@@ -5,7 +5,7 @@ the records removed from the log before it could apply them."""
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, DateTime, Table, Text, func
+from sqlalchemy import BigInteger, Column, DateTime, Index, Table, Text, func
 from sqlalchemy.dialects.postgresql import JSONB
 
 from projections import metadata
@@ -27,4 +27,16 @@ table = Table(
     # all, and the last few ranges ("partition", "from_offset", "to_offset", "detected_at").
     Column("lost_offsets", BigInteger, nullable=False, server_default="0"),
     Column("data_loss", JSONB),
+)
+
+# The ids of stream records each fold has counted (guarantee 20), kept while a copy of the
+# record could still be on time (spark.event_pipeline.keep_ids). A rebuild counts under
+# `<fold>__rebuild`, which replaces the fold's own ids at the swap.
+stream_ids = Table(
+    "stream_ids",
+    metadata,
+    Column("fold", Text, primary_key=True),
+    Column("id", Text, primary_key=True),
+    Column("first_at", DateTime(timezone=True), nullable=False),  # log time of its first copy
+    Index("ix_stream_ids_first_at", "fold", "first_at"),
 )

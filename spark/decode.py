@@ -7,7 +7,7 @@ batch of current events never leaves the JVM."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import pandas as pd
 from pyspark.sql import DataFrame, SparkSession
@@ -28,6 +28,16 @@ STORED = StructType(
         StructField("aggregate_id", StringType()),
         StructField("version", LongType()),
         StructField("occurred_at", StringType()),
+        StructField("data", StringType()),
+    ]
+)
+
+# A stream's record (`streams.ingest.FactRecord`): `data` stays JSON text.
+FACT = StructType(
+    [
+        StructField("id", StringType()),
+        StructField("occurred_at", StringType()),
+        StructField("received_at", StringType()),
         StructField("data", StringType()),
     ]
 )
@@ -75,19 +85,47 @@ def _upcast(values: pd.Series) -> pd.DataFrame:
     )
 
 
-def parse_events(raw: DataFrame) -> DataFrame:
+def parse_events(raw: DataFrame, streams: Mapping[str, str] | None = None) -> DataFrame:
     """Kafka records → topic, partition, offset, timestamp, value and the envelope `e` as
     Spark's JSON reader sees it, with `current` telling whether it is at its type's current
-    schema version (a record it cannot read, or of an unknown type, is not)."""
+    schema version (a record it cannot read, or of an unknown type, is not).
+
+    Records of the topics `streams` (topic → stream name) are facts (`streams/ingest.py`): their
+    envelope has the record's `id` as `event_id`, the stream's name as `type` and
+    `aggregate_type`, no aggregate id or version, and they are always current. Their Kafka
+    timestamp is when the API received them."""
     current = F.create_map(
         *(F.lit(x) for t, c in EVENT_TYPES.items() for x in (t, c.SCHEMA_VERSION))
     )
-    e = F.from_json(F.col("value").cast("string"), STORED)
-    parsed = raw.where(F.col("value").isNotNull()).select(
-        "topic", "partition", "offset", "timestamp", "value", e.alias("e")
+    value = F.col("value").cast("string")
+    e = F.from_json(value, STORED)
+    is_current = F.coalesce(e["schema_version"] == current[e["type"]], F.lit(False))
+    if streams:
+        fact = F.from_json(value, FACT)
+        names = F.create_map(*(F.lit(x) for kv in streams.items() for x in kv))
+        name = names[F.col("topic")]
+        as_event = F.struct(
+            fact["id"].alias("event_id"),
+            name.alias("type"),
+            F.lit(None).cast("long").alias("schema_version"),
+            name.alias("aggregate_type"),
+            F.lit(None).cast("string").alias("aggregate_id"),
+            F.lit(None).cast("long").alias("version"),
+            fact["occurred_at"].alias("occurred_at"),
+            fact["data"].alias("data"),
+        )
+        is_fact = F.col("topic").isin(*streams)
+        e = F.when(is_fact, as_event).otherwise(e)
+        is_current = F.when(is_fact, F.lit(True)).otherwise(is_current)
+    return raw.where(F.col("value").isNotNull()).select(
+        "topic",
+        "partition",
+        "offset",
+        "timestamp",
+        "value",
+        e.alias("e"),
+        is_current.alias("current"),
     )
-    is_current = F.coalesce(F.col("e.schema_version") == current[F.col("e.type")], F.lit(False))
-    return parsed.withColumn("current", is_current)
 
 
 def every_event(parsed: DataFrame) -> DataFrame:
@@ -140,9 +178,9 @@ def events_of(parsed: DataFrame, upcast: bool = True) -> DataFrame:
     return events.withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
 
 
-def decode_events(raw: DataFrame) -> DataFrame:
-    """Kafka records → events (see `events_of`)."""
-    return events_of(parse_events(raw))
+def decode_events(raw: DataFrame, streams: Mapping[str, str] | None = None) -> DataFrame:
+    """Kafka records → events (see `events_of`; `streams` as in `parse_events`)."""
+    return events_of(parse_events(raw, streams))
 
 
 def kafka_options(bootstrap: str) -> dict[str, str]:

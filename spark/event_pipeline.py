@@ -29,9 +29,9 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -46,6 +46,7 @@ from spark.gaps import Gaps, check_gaps
 from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
     Reconnecting,
+    count_once,
     ensure_progress,
     lock_many,
     mark_failed,
@@ -62,7 +63,25 @@ log = logging.getLogger(__name__)
 QUERY = "events"
 MAX_RECORDS_PER_BATCH = 200_000
 WIRE_TIME = "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"  # timestamps as ISO text in UTC
-POSITION = ("topic", "partition", "offset", "current")  # the first columns of a collected row
+
+
+# The first columns of a collected row: where the record is in the log, whether it is at its
+# type's current schema version, its id, and its log time and delay (log time - event time),
+# in microseconds (for watermarks and counting stream records once).
+def position() -> list[Column]:
+    return [
+        F.col("topic"),
+        F.col("partition"),
+        F.col("offset"),
+        F.col("current"),
+        F.col("event_id"),
+        F.unix_micros(F.col("timestamp")).alias("log_us"),
+        (F.unix_micros(F.col("timestamp")) - F.unix_micros(F.col("occurred_at"))).alias("delay_us"),
+    ]
+
+
+TOPIC, PARTITION, OFFSET, CURRENT, ID, LOG_US, DELAY_US = range(7)
+POSITION = 7  # columns
 
 
 def rows_json(output: Output) -> Column:
@@ -81,6 +100,127 @@ class Share:
     first: Offsets  # the first offset of each partition after its progress
     count: int  # events
     rows: dict[str, list[str]]
+    late: int = 0  # records past the projection's watermark, left out
+    # Stream records on time, in log order, counted only if their id is new: (id, log time in
+    # microseconds, per output its rows).
+    records: list[tuple[str, int, list[str | None]]] = field(default_factory=list)
+
+
+def share_of(
+    p: Projection,
+    reads: frozenset[str],
+    streams: frozenset[str],
+    rows: list[Any],
+    first: int,
+    offsets: Offsets,
+) -> Share | None:
+    """The rows of `p`'s outputs (row columns from `first`, one per output) of the records
+    of `reads` ("topic:partition") after its offsets, with its watermark applied; records of
+    the topics `streams` are counted once by id (`merge_share`)."""
+    found: dict[str, list[str]] = {o.name: [] for o in p.outputs}
+    last: dict[str, int] = {}
+    starts: dict[str, int] = {}
+    count = late = 0
+    records: list[tuple[str, int, list[str | None]]] = []
+    lateness = int(p.lateness.total_seconds() * 1e6) if p.lateness is not None else None
+    for row in rows:
+        key = f"{row[TOPIC]}:{row[PARTITION]}"
+        if key not in reads or row[OFFSET] <= offsets.get(key, -1):
+            continue
+        count += 1
+        last[key] = max(last.get(key, -1), row[OFFSET])
+        starts[key] = min(starts.get(key, row[OFFSET]), row[OFFSET])
+        if lateness is not None and row[DELAY_US] > lateness:
+            late += 1
+            continue
+        values = row[first : first + len(p.outputs)]
+        if row[TOPIC] in streams:
+            records.append((row[ID], row[LOG_US], values))
+            continue
+        for o, value in zip(p.outputs, values, strict=True):
+            if value is not None and value != "[]":
+                found[o.name].append(value)
+    if not count:
+        return None
+    return Share(offsets, {**offsets, **last}, starts, count, found, late, records)
+
+
+def upcast_rows(batch: DataFrame, rows: list[Any], columns: list[Column]) -> list[Any]:
+    """Replace the rows of events at an older schema version by those of their upcast form."""
+    fixed = upcast(batch).withColumn("current", F.lit(True)).select(*position(), *columns)
+    found = {(r[TOPIC], r[PARTITION], r[OFFSET]): r for r in fixed.collect()}
+    return [r if r[CURRENT] else found.get((r[TOPIC], r[PARTITION], r[OFFSET]), r) for r in rows]
+
+
+def replay(
+    conn: psycopg.Connection[Any],
+    p: Projection,
+    events: DataFrame,
+    offsets: Offsets,
+    suffix: str,
+    settings: Settings,
+) -> tuple[Offsets, int, int]:
+    """Merge the records of `events` (`every_event` of a batch read) after `offsets` into `p`'s
+    tables (+ `suffix`) exactly as the live pipeline does. Returns the new offsets, the number
+    of records applied and of late records. The caller commits."""
+    topics = Topics(settings.topic_prefix)
+    columns = [rows_json(o).alias(o.name) for o in p.outputs]
+    rows = events.select(*position(), *columns).collect()
+    if any(not r[CURRENT] for r in rows):
+        rows = upcast_rows(events, rows, columns)
+    reads = frozenset(p.reads(topics, settings.partitions))
+    streams = frozenset(topics.stream(s) for s in p.streams)
+    share = share_of(p, reads, streams, rows, POSITION, offsets)
+    if share is None:
+        return offsets, 0, 0
+    late = merge_share(conn, p, share, suffix, keep_ids(p, settings))
+    return share.after, share.count, late
+
+
+def keep_ids(p: Projection, settings: Settings) -> timedelta:
+    """How long `p` remembers a counted id after the newest log time: a copy sent later would
+    be late (its watermark, plus the clock skew the API allows, plus ten minutes for the
+    clocks of API processes to differ)."""
+    return (p.lateness or timedelta(0)) + timedelta(seconds=settings.clock_skew_s + 600)
+
+
+def merge_share(
+    conn: psycopg.Connection[Any], p: Projection, share: Share, suffix: str, keep: timedelta
+) -> int:
+    """Merge a projection's share of a batch into its tables (+ `suffix`, a rebuild's shadows):
+    its stream records whose ids are new, and every other row. Returns the late records."""
+    counted = count_once(conn, p.name + suffix, [(r[0], r[1]) for r in share.records], keep)
+    late = share.late
+    for i, o in enumerate(p.outputs):
+        arrays = list(share.rows[o.name])
+        arrays += [
+            value
+            for (_, _, values), new in zip(share.records, counted, strict=True)
+            if new and (value := values[i]) is not None and value != "[]"
+        ]
+        for chunk in _chunks(arrays):
+            merge_json(conn, o, "[" + ",".join(a[1:-1] for a in chunk) + "]", o.name + suffix)
+        if o.late:
+            late += len(arrays)
+    return late
+
+
+MERGE_CHUNK_BYTES = 32 * 1024 * 1024  # of JSON per statement (Postgres caps a jsonb at 256 MiB)
+
+
+def _chunks(arrays: list[str]) -> Iterator[list[str]]:
+    """`arrays` in runs of at most MERGE_CHUNK_BYTES: merging a batch's rows in parts gives the
+    same table (rows of one key combine across statements by the same rules)."""
+    chunk: list[str] = []
+    size = 0
+    for a in arrays:
+        if chunk and size + len(a) > MERGE_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(a)
+        size += len(a)
+    if chunk:
+        yield chunk
 
 
 EVENT_COLUMNS = (
@@ -127,6 +267,10 @@ class EventSink:
         self.reads = {
             p.name: frozenset(p.reads(self.topics, settings.partitions)) for p in self.projections
         }
+        self.streams = {
+            p.name: frozenset(self.topics.stream(s) for s in p.streams) for p in self.projections
+        }
+        self.keep = {p.name: keep_ids(p, settings) for p in self.projections}
         # Built once: a Column is an unresolved expression, valid for every batch.
         self.columns = {
             p.name: [rows_json(o).alias(f"{p.name}.{o.name}") for o in p.outputs]
@@ -150,7 +294,7 @@ class EventSink:
         self.last_batch = len(rows)
         if not rows:
             return
-        if any(not r[3] for r in rows):
+        if any(not r[CURRENT] for r in rows):
             rows = self._upcast(batch, rows)
         self.timings["spark"] = time.perf_counter() - started
         self._apply(rows, errors, batch_id)
@@ -176,7 +320,7 @@ class EventSink:
         are None and their errors returned."""
         columns = [c for p in projections for c in self.columns[p.name]]
         try:
-            return batch.select(*POSITION, *columns).collect(), {}
+            return batch.select(*position(), *columns).collect(), {}
         except Exception as e:
             if len(projections) <= 1:
                 raise
@@ -185,7 +329,7 @@ class EventSink:
         errors: dict[str, str] = {}
         for p in projections:
             try:
-                parts.append(batch.select(*POSITION, *self.columns[p.name]).collect())
+                parts.append(batch.select(*position(), *self.columns[p.name]).collect())
             except Exception as e:
                 errors[p.name] = first_line(e)
                 parts.append([])
@@ -193,43 +337,40 @@ class EventSink:
             raise RuntimeError(f"every projection failed: {errors}")
         base = next(part for part in parts if part)
         rows = []
-        for i, position in enumerate(base):
-            row = list(position[: len(POSITION)])
+        for i, first in enumerate(base):
+            row = list(first[:POSITION])
             for p, part in zip(projections, parts, strict=True):
-                row += part[i][len(POSITION) :] if part else [None] * len(p.outputs)
+                row += part[i][POSITION:] if part else [None] * len(p.outputs)
             rows.append(row)
         return rows, errors
 
     def _upcast(self, batch: DataFrame, rows: list[Any]) -> list[Any]:
-        """Replace the rows of events at an older schema version by those of their upcast form."""
-        columns = [c for p in self.active for c in self.columns[p.name]]
-        fixed = upcast(batch).withColumn("current", F.lit(True)).select(*POSITION, *columns)
-        found = {(r[0], r[1], r[2]): r for r in fixed.collect()}
-        return [found.get((r[0], r[1], r[2]), r) if not r[3] else r for r in rows]
+        return upcast_rows(batch, rows, [c for p in self.active for c in self.columns[p.name]])
 
     def _apply(self, rows: list[Any], errors: dict[str, str], batch_id: int) -> None:
         projections = self.active
-        keys = [f"{r[0]}:{r[1]}" for r in rows]
         conn = self.db.get()
         try:
             with conn.transaction():
                 t0 = time.perf_counter()
                 progress = lock_many(conn, [p.name for p in projections])
                 applied: dict[str, int] = {}
-                column = len(POSITION)
+                column = POSITION
                 for p in projections:
                     first, column = column, column + len(p.outputs)
                     offsets = progress.get(p.name, {})
                     if p.name in errors:
                         self._fail(conn, p.name, errors[p.name], offsets)
                         continue
-                    share = self._share(p, rows, keys, first, offsets)
+                    share = share_of(
+                        p, self.reads[p.name], self.streams[p.name], rows, first, offsets
+                    )
                     if share is None:
                         continue
                     check_gaps(self.gaps, conn, p.name, share.offsets, share.first)
                     try:
                         with conn.transaction():
-                            late = self._merge(conn, p, share)
+                            late = merge_share(conn, p, share, "", self.keep[p.name])
                             save_progress(conn, p.name, share.after, share.count, late)
                         applied[p.name] = share.count
                     except (psycopg.OperationalError, psycopg.InterfaceError):
@@ -244,38 +385,6 @@ class EventSink:
             took = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.timings.items())
             done = ", ".join(f"{n} +{c}" for n, c in applied.items())
             log.info("batch %s (%s): %s", batch_id, took, done)
-
-    def _share(
-        self, p: Projection, rows: list[Any], keys: list[str], first: int, offsets: Offsets
-    ) -> Share | None:
-        """The rows of `p`'s outputs (columns from `first`) of the events after its offsets."""
-        reads = self.reads[p.name]
-        found: dict[str, list[str]] = {o.name: [] for o in p.outputs}
-        last: dict[str, int] = {}
-        starts: dict[str, int] = {}
-        count = 0
-        for row, key in zip(rows, keys, strict=True):
-            if key not in reads or row[2] <= offsets.get(key, -1):
-                continue
-            count += 1
-            last[key] = max(last.get(key, -1), row[2])
-            starts[key] = min(starts.get(key, row[2]), row[2])
-            for i, o in enumerate(p.outputs):
-                if (value := row[first + i]) is not None and value != "[]":
-                    found[o.name].append(value)
-        if not count:
-            return None
-        return Share(offsets, {**offsets, **last}, starts, count, found)
-
-    def _merge(self, conn: psycopg.Connection[Any], p: Projection, share: Share) -> int:
-        late = 0
-        for o in p.outputs:
-            arrays = share.rows[o.name]
-            if arrays:
-                merge_json(conn, o, "[" + ",".join(a[1:-1] for a in arrays) + "]", o.name)
-                if o.late:
-                    late += len(arrays)
-        return late
 
     def _fail(self, conn: psycopg.Connection[Any], name: str, error: str, offsets: Offsets) -> None:
         log.error("projection %s failed after %s: %s", name, offsets, error)
@@ -299,7 +408,11 @@ class EventPipeline:
         self.sink: EventSink | None = None
 
     def topic_names(self) -> list[str]:
-        return sorted({self.topics.events(t) for p in self.projections for t in p.topics})
+        return sorted({t for p in self.projections for t in p.topic_names(self.topics)})
+
+    def stream_names(self) -> dict[str, str]:
+        """The stream topics it reads, with their streams' names."""
+        return {self.topics.stream(s): s for p in self.projections for s in p.streams}
 
     def starting_offsets(self) -> str:
         """Spark's startingOffsets: per partition, after the lowest progress of the
@@ -343,7 +456,7 @@ class EventPipeline:
         )
         idle_poll(self.spark, self.settings.spark_idle_poll_ms)
         query = (
-            every_event(parse_events(records))
+            every_event(parse_events(records, self.stream_names()))
             .writeStream.foreachBatch(self.sink)
             .queryName(QUERY)
             # A fresh checkpoint per start, or Spark would resume from its own offsets.

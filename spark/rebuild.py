@@ -27,12 +27,21 @@ from pyspark.sql import functions as F
 from tqdm import tqdm
 
 from projections.base import Output, Projection
-from spark.decode import decode_events, events_of, offsets_json, parse_events, read_batch
+from spark.decode import (
+    decode_events,
+    events_of,
+    every_event,
+    offsets_json,
+    parse_events,
+    read_batch,
+)
+from spark.event_pipeline import replay
 from spark.sink import (
     apply_events,
     bulk_load,
     last_offsets,
     lock_progress,
+    move_stream_ids,
     read_progress,
     replace_contents,
 )
@@ -61,13 +70,31 @@ class Rebuild:
         self.url = settings.database()
 
     def _read(self, projection: Projection, starting: str, ending: str) -> DataFrame:
-        names = [self.topics.events(t) for t in projection.topics]
-        return decode_events(read_batch(self.spark, self.settings.kafka(), names, starting, ending))
+        names = self._names(projection)
+        raw = read_batch(self.spark, self.settings.kafka(), names, starting, ending)
+        if projection.replayed:  # the live pipeline's columns
+            return every_event(parse_events(raw, self._streams([projection])))
+        return decode_events(raw)
+
+    def _streams(self, projections: list[Projection]) -> dict[str, str]:
+        return {self.topics.stream(s): s for p in projections for s in p.streams}
+
+    def _apply(
+        self,
+        conn: psycopg.Connection[Any],
+        projection: Projection,
+        batch: DataFrame,
+        offsets: dict[str, int],
+        suffix: str = "",
+    ) -> tuple[dict[str, int], int, int]:
+        if projection.replayed:
+            return replay(conn, projection, batch, offsets, suffix, self.settings)
+        return apply_events(conn, projection, batch, offsets, suffix)
 
     def _between(
         self, projection: Projection, after: dict[str, int], upto: dict[str, int]
     ) -> DataFrame:
-        names = [self.topics.events(t) for t in projection.topics]
+        names = self._names(projection)
         n = self.settings.partitions
         return self._read(
             projection, offsets_json(names, n, after, 1), offsets_json(names, n, upto, 1)
@@ -82,8 +109,36 @@ class Rebuild:
         """Rebuild `projections` from one read of their topics (see the module's docstring)."""
         if not projections:
             return []
+        replayed = [p for p in projections if p.replayed]
+        folded = [p for p in projections if not p.replayed]
+        reports = {r.projection: r for r in self._fold_many(folded, verify, progress)}
+        for p in replayed:
+            reports[p.name] = self._replay(p, verify, progress)
+        return [reports[p.name] for p in projections]
+
+    def _replay(self, projection: Projection, verify: bool, progress: bool) -> Report:
+        """Rebuild `projection` by replaying its whole log through the live pipeline's merge
+        into its shadows (`Projection.replayed`), then catch up and swap as a fold does."""
         started = time.monotonic()
-        names = sorted({self.topics.events(t) for p in projections for t in p.topics})
+        self._create_shadows([projection])
+        bar = tqdm(total=1, unit="pass", desc=f"rebuild {projection.name}", disable=not progress)
+        with bar, psycopg.connect(self.url) as conn, conn.transaction():
+            events = self._read(projection, "earliest", "latest")
+            covered, count, _ = self._apply(conn, projection, events, {}, SHADOW)
+            bar.update(1)
+        covered = self._catch_up(projection, covered)
+        report = self._swap(projection, covered, verify)
+        report.events = count
+        report.seconds = time.monotonic() - started
+        return report
+
+    def _fold_many(
+        self, projections: list[Projection], verify: bool, progress: bool
+    ) -> list[Report]:
+        if not projections:
+            return []
+        started = time.monotonic()
+        names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
         parsed = parse_events(raw).persist()
         reports = []
@@ -124,7 +179,7 @@ class Rebuild:
         return reports
 
     def _names(self, projection: Projection) -> list[str]:
-        return [self.topics.events(t) for t in projection.topics]
+        return projection.topic_names(self.topics)
 
     def _counts(self, events: DataFrame) -> dict[str, int]:
         rows = events.groupBy("topic").count().collect()
@@ -141,6 +196,7 @@ class Rebuild:
                     conn.execute(
                         f"CREATE TABLE {output.name}{SHADOW} (LIKE {output.name} INCLUDING ALL)"
                     )
+                conn.execute("DELETE FROM stream_ids WHERE fold = %s", (p.name + SHADOW,))
 
     def _bulk_load(self, output: Output, events: DataFrame, bar: tqdm, share: float) -> None:
         watcher = _TaskProgress(self.spark, bar, share)
@@ -161,7 +217,7 @@ class Rebuild:
                 return covered
             with psycopg.connect(self.url) as conn, conn.transaction():
                 batch = self._between(projection, covered, {**covered, **ahead})
-                covered, _, _ = apply_events(conn, projection, batch, covered, SHADOW)
+                covered, _, _ = self._apply(conn, projection, batch, covered, SHADOW)
         return covered
 
     def _swap(self, projection: Projection, covered: dict[str, int], verify: bool) -> Report:
@@ -173,12 +229,12 @@ class Rebuild:
             behind_live = {k: v for k, v in live.items() if v > covered.get(k, -1)}
             if behind_live:
                 batch = self._between(projection, covered, {**covered, **behind_live})
-                covered, _, _ = apply_events(conn, projection, batch, covered, SHADOW)
+                covered, _, _ = self._apply(conn, projection, batch, covered, SHADOW)
             behind_shadow = {k: v for k, v in covered.items() if v > live.get(k, -1)}
             applied = late = 0
             if behind_shadow:
                 batch = self._between(projection, live, {**live, **behind_shadow})
-                live, applied, late = apply_events(conn, projection, batch, live)
+                live, applied, late = self._apply(conn, projection, batch, live)
             if verify:
                 report.differences = {o.name: _differences(conn, o) for o in projection.outputs}
             for output in projection.outputs:
@@ -186,6 +242,8 @@ class Rebuild:
                 replace_contents(conn, t, t + SHADOW, output.key, output.columns)
                 conn.execute(f"DROP TABLE {t}{SHADOW}")
                 report.rows[t] = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
+            if projection.streams:
+                move_stream_ids(conn, projection.name + SHADOW, projection.name)
             conn.execute(
                 "UPDATE projection_progress SET offsets = %s, generation = generation + 1, "
                 "events_applied = events_applied + %s, late_events = late_events + %s, "

@@ -11,7 +11,7 @@ import io
 import json
 import logging
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -145,11 +145,55 @@ def copy_rows(
 
 def merge_json(conn: psycopg.Connection[Any], output: Output, rows: str, target: str) -> None:
     """Merge `rows`, a JSON array of row objects (by column name, any number per key), into
-    `target` (the output's table or its shadow): combined per key, then merged with what the
-    table holds, by the output's rules. Postgres converts the values."""
-    source = f"jsonb_populate_recordset(NULL::{output.name}, %s::jsonb) WITH ORDINALITY AS r"
-    combined = f"({output.combine_sql(source)}) AS batch"
-    conn.execute(output.upsert_sql(target, combined), (rows,))
+    `target` (the output's table or its shadow) by the output's rules (`Output.merge_sql`).
+    Postgres converts the values."""
+    conn.execute(output.merge_sql(target, "%s"), (rows,))
+
+
+def count_once(
+    conn: psycopg.Connection[Any], fold: str, records: list[tuple[str, int]], keep: timedelta
+) -> list[bool]:
+    """Which of a batch's stream `records` (id, log time in microseconds; in log order) `fold`
+    counts: the first copy of each id it has not counted before. Counted ids are remembered in
+    `stream_ids` for `keep` after the newest log time seen: a later copy could not be on time."""
+    if not records:
+        return []
+    ids = [r[0] for r in records]
+    seen = {
+        row[0]
+        for row in conn.execute(
+            "SELECT id FROM stream_ids WHERE fold = %s AND id = ANY(%s)", (fold, ids)
+        )
+    }
+    counted: list[bool] = []
+    new_ids: list[str] = []
+    new_times: list[datetime] = []
+    for record_id, micros in records:
+        first = record_id not in seen
+        counted.append(first)
+        if first:
+            seen.add(record_id)
+            new_ids.append(record_id)
+            new_times.append(_from_micros(micros))
+    if new_ids:
+        conn.execute(
+            "INSERT INTO stream_ids (fold, id, first_at) "
+            "SELECT %s, * FROM unnest(%s::text[], %s::timestamptz[])",
+            (fold, new_ids, new_times),
+        )
+    newest = _from_micros(max(r[1] for r in records))
+    conn.execute("DELETE FROM stream_ids WHERE fold = %s AND first_at < %s", (fold, newest - keep))
+    return counted
+
+
+def move_stream_ids(conn: psycopg.Connection[Any], source: str, target: str) -> None:
+    """Make the ids `source` counted (a rebuild's) those of `target` (the live projection's)."""
+    conn.execute("DELETE FROM stream_ids WHERE fold = %s", (target,))
+    conn.execute("UPDATE stream_ids SET fold = %s WHERE fold = %s", (target, source))
+
+
+def _from_micros(micros: int) -> datetime:
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=micros)
 
 
 def merge_output(

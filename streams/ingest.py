@@ -8,6 +8,7 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from kafka import KafkaProducer
@@ -89,6 +90,9 @@ class Ingestion:
                         key=r.id.encode(),
                         value=dumps(r),
                         partition=partition_for(str(r.data[stream.key]), n),
+                        # The record's log time is when the API received it: views measure
+                        # lateness against it (see projections.base.Projection).
+                        timestamp_ms=round(datetime.fromisoformat(r.received_at).timestamp() * 1e3),
                     )
                 producer.flush(timeout=self.settings.kafka_timeout_s)
                 self._commit(producer)

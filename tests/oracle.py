@@ -108,6 +108,15 @@ def actual(settings: Settings) -> Views:
         "author_royalties": ["author"],
         "sales_by_hour": ["book_id", "window_start"],
     }
+    out = read_views(settings, keys)
+    with psycopg.connect(settings.database()) as conn:
+        (n,) = conn.execute("SELECT count(*) FROM late_events").fetchone() or (0,)
+    out["late_events"] = {("count",): {"n": n}}
+    return out
+
+
+def read_views(settings: Settings, keys: dict[str, list[str]]) -> Views:
+    """The rows of each view of `keys` (view -> its key columns), by key."""
     out: Views = {}
     with psycopg.connect(settings.database()) as conn:
         for view, key in keys.items():
@@ -115,14 +124,17 @@ def actual(settings: Settings) -> Views:
             names = [c.name for c in cur.description or []]
             rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
             out[view] = {tuple(r.pop(k) for k in key): r for r in rows}
-        (n,) = conn.execute("SELECT count(*) FROM late_events").fetchone() or (0,)
-        out["late_events"] = {("count",): {"n": n}}
     return out
 
 
 def differences(settings: Settings) -> dict[str, Any]:
     """Per view, the keys whose rows differ (expected, actual); empty when all match."""
-    want, have = expected(settings), actual(settings)
+    return compare(expected(settings), actual(settings))
+
+
+def compare(want: Views, have: Views) -> dict[str, Any]:
+    """Per view of `want`, the keys whose rows differ from `have`'s (the first five of them, and
+    how many); empty when all match."""
     diff: dict[str, Any] = {}
     for view, rows in want.items():
         got = have.get(view, {})

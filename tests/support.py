@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -151,6 +152,18 @@ class HttpApi:
         return self.session.get(f"{self.base_url}{path}", timeout=30, **kwargs)
 
 
+def cli(settings: Settings, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """`logfold <args>` for the deployment `settings`, run to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "stack.cli", *args],
+        cwd=REPO,
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def child_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOGFOLD_")}
     env.update(
@@ -202,6 +215,13 @@ class Processes:
 
     def projector(self) -> subprocess.Popen[bytes]:
         return self._spawn("projector", "projector")
+
+    def kill_9_projector(self) -> subprocess.Popen[bytes]:
+        """`kill -9` the projector started last (mid-batch, likely), and start another."""
+        victim = self.procs[-1]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        return self.projector()
 
     def cdc(self) -> subprocess.Popen[bytes]:
         return self._spawn("cdc", "cdc")

@@ -17,12 +17,24 @@ from commands.processor import CommandProcessor
 from stack.local_kafka import LocalKafka
 from stack.procs import free_port
 from stack.settings import Settings
-from tests.support import REPO, drop_cdc_slot, new_deployment
+from tests.support import REPO, Processes, drop_cdc_slot, new_deployment
 
 
 @pytest.fixture(scope="module")
 def deployment(base_settings: Settings) -> Settings:
     return new_deployment(base_settings)
+
+
+@pytest.fixture(scope="module")
+def projecting(
+    deployment: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Processes]:
+    """A projector process (the real CLI) folding the module's deployment; the last of
+    `.procs` is the projector running now (a test may kill it and start another)."""
+    running = Processes(deployment, tmp_path_factory.mktemp("projector-logs"))
+    running.projector()
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="module")

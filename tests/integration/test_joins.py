@@ -8,8 +8,6 @@ from __future__ import annotations
 import itertools
 import random
 import signal
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ from projections.wire import wire_row, wire_value
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import REPO, Processes, append_changes, child_env, token
+from tests.support import Processes, append_changes, cli, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -575,22 +573,7 @@ def test_rebuild_verify_equals_the_live_views_and_bumps_their_generation(
         state(deployment),
     )
     generations = {j.name: progress(deployment, j)["generation"] for j in (SUMMARIES, PAGES)}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stack.cli",
-            "rebuild",
-            "order_summaries",
-            "author_pages",
-            "--verify",
-        ],
-        cwd=REPO,
-        env=child_env(deployment),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = cli(deployment, "rebuild", "order_summaries", "author_pages", "--verify")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("identical to the live view") == 2, out.stdout
     assert f"order_summaries: {len(rows['order_summaries'])} rows" in out.stdout, out.stdout

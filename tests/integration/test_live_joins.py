@@ -4,8 +4,6 @@ Every process is started with the real CLI; the plain table is written with plai
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +17,9 @@ from stack.procs import wait_until
 from stack.settings import Settings
 from tests.changes import slot_ready
 from tests.support import (
-    REPO,
     HttpApi,
     Processes,
-    child_env,
+    cli,
     drop_cdc_slot,
     new_deployment,
     token,
@@ -297,14 +294,7 @@ def test_logfold_rebuild_of_a_joined_view_sends_resync_and_a_snapshot_equal_to_i
     _subscribed(client, "s", "order_summaries", {"customer_id": carol})
     client.wait_for(lambda: set(_rows(client, "s", "order_id")) == orders, "Carol's", PIPELINE_S)
 
-    done = subprocess.run(
-        [sys.executable, "-m", "stack.cli", "rebuild", "order_summaries", "--verify"],
-        cwd=REPO,
-        env=child_env(stack.settings),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = cli(stack.settings, "rebuild", "order_summaries", "--verify")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verify order_summaries: identical to the live view" in done.stdout
 

@@ -4,9 +4,6 @@ exactly once, through crashes, duplicates and rebuilds; reads can wait for a wri
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -22,7 +19,7 @@ from projections.registry import VIEWS
 from stack.procs import wait_until
 from stack.settings import Settings
 from tests.oracle import actual, differences
-from tests.support import REPO, Processes, append_events, child_env, health_component, token
+from tests.support import Processes, append_events, cli, health_component, token
 from tests.workload import Workload
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,11 +28,8 @@ AUTH = {"Authorization": f"Bearer {token()}"}
 
 
 @pytest.fixture(scope="module")
-def procs(deployment: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Processes]:
-    running = Processes(deployment, tmp_path_factory.mktemp("projector-logs"))
-    running.projector()
-    yield running
-    running.stop()
+def procs(projecting: Processes) -> Processes:
+    return projecting
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +118,7 @@ def test_kill_9_of_the_projector_mid_stream_loses_and_doubles_nothing(
                 120,
                 "the projector to apply more events",
             )
-            victim = procs.procs[-1]
-            victim.send_signal(signal.SIGKILL)
-            victim.wait()
-            procs.projector()
+            procs.kill_9_projector()
     finally:
         stop.set()
         loader.join()
@@ -227,14 +218,7 @@ def test_rebuild_all_verify_while_commands_flow(
     for t in threads:
         t.start()
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", "stack.cli", "rebuild", "--all", "--verify"],
-            cwd=REPO,
-            env=child_env(deployment),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        out = cli(deployment, "rebuild", "--all", "--verify", timeout=900)
     finally:
         stop.set()
         for t in threads:

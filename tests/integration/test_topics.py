@@ -5,7 +5,6 @@ start on it."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 
 import pytest
@@ -13,7 +12,7 @@ from kafka.admin import KafkaAdminClient
 
 from stack.settings import Settings
 from stack.topics import TopicMisconfigured, Topics, captured_tables, check_topics
-from tests.support import REPO, child_env
+from tests.support import cli as run_cli
 
 CLI_TIMEOUT_S = 90
 
@@ -64,14 +63,7 @@ def problem_lines(message: str) -> list[str]:
 
 
 def cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stack.cli", *args],
-        cwd=REPO,
-        env=child_env(settings),
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-    )
+    return run_cli(settings, *args, timeout=CLI_TIMEOUT_S)
 
 
 def test_a_correctly_created_deployment_passes(deployment: Settings) -> None:

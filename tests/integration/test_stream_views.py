@@ -1,0 +1,221 @@
+"""Views over streams of facts (guarantees 20 and 21) on real Kafka, Postgres and Spark: the
+projector's `trending_books` (hopping windows) and `browsing_sessions` (session windows) equal an
+independent fold of the stream (`tests/stream_oracle.py`) with out-of-order records, records past
+the watermark, duplicated ids and sessions that merge; after `kill -9` of the projector
+mid-stream; and after `logfold rebuild --verify`."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from flask.testing import FlaskClient
+
+from app import close_app, create_app
+from app.read_model import ReadModel
+from stack.procs import wait_until
+from stack.settings import Settings
+from tests import stream_oracle
+from tests.support import Processes, cli, health_component, token
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AUTH = {"Authorization": f"Bearer {token('streams:write', 'views:read', 'admin')}"}
+VIEWS = ("trending_books", "browsing_sessions")
+
+
+@pytest.fixture(scope="module")
+def settings(deployment: Settings) -> Settings:
+    return deployment
+
+
+@pytest.fixture(scope="module")
+def api(settings: Settings) -> Iterator[FlaskClient]:
+    app = create_app(settings)
+    yield app.test_client()
+    close_app(app)
+
+
+@pytest.fixture(scope="module")
+def procs(projecting: Processes) -> Processes:
+    return projecting
+
+
+class PageViews:
+    """Generates page views the way devices send them: out of order, some past the watermark,
+    some sent twice (in the same request or a later one), in sessions that merge."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.sent: list[dict[str, Any]] = []
+        self.customers = [f"cust-{uuid.uuid4().hex[:6]}" for _ in range(6)]
+        self.books = [f"book-{i}" for i in range(5)]
+
+    def record(self, customer: str, at: datetime, book: str | None = None) -> dict[str, Any]:
+        return {
+            "id": f"pv-{uuid.uuid4().hex}",
+            "occurred_at": at.isoformat(),
+            "data": {"customer_id": customer, "book_id": book or self.rng.choice(self.books)},
+        }
+
+    def batch(self, size: int) -> list[dict[str, Any]]:
+        now = datetime.now(UTC)
+        out = []
+        for _ in range(size):
+            customer = self.rng.choice(self.customers)
+            roll = self.rng.random()
+            if roll < 0.08:  # past the watermark (2 hours)
+                at = now - timedelta(hours=2, minutes=self.rng.randint(5, 600))
+            elif roll < 0.16 and self.sent:  # a retry of a record sent before
+                out.append(self.rng.choice(self.sent))
+                continue
+            else:  # on time, up to 110 minutes old: sessions form, split and merge
+                at = now - timedelta(seconds=self.rng.randint(0, 110 * 60))
+            out.append(self.record(customer, at))
+        out += self.rng.sample(out, k=max(size // 20, 1))  # the same record twice in a request
+        self.rng.shuffle(out)
+        self.sent += out
+        return out
+
+
+def post(api: FlaskClient, records: list[dict[str, Any]]) -> None:
+    r = api.post("/streams/page_views/records", json={"records": records}, headers=AUTH)
+    assert r.status_code == 202, r.json
+
+
+def caught_up(settings: Settings, timeout: float = 180) -> None:
+    model = ReadModel(settings)
+    try:
+        wait_until(
+            lambda: all(model.lag()[v]["events"] == 0 for v in VIEWS),
+            timeout,
+            "the stream views to catch up with the stream",
+        )
+    finally:
+        model.engine.dispose()
+
+
+def late_counts(settings: Settings) -> dict[str, int]:
+    with psycopg.connect(settings.database()) as conn:
+        rows = conn.execute(
+            "SELECT projection, late_events FROM projection_progress WHERE projection = ANY(%s)",
+            (list(VIEWS),),
+        ).fetchall()
+    return {r[0]: int(r[1]) for r in rows}
+
+
+def test_sessions_merge_when_a_late_view_bridges_them(
+    api: FlaskClient, procs: Processes, settings: Settings
+) -> None:
+    gen = PageViews(seed=1)
+    customer = f"bridge-{uuid.uuid4().hex[:6]}"
+    t = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=100)
+    post(
+        api, [gen.record(customer, t, "b1"), gen.record(customer, t + timedelta(minutes=40), "b2")]
+    )
+    # Exactly the gap apart is not closer than it: another session.
+    post(api, [gen.record(customer, t + timedelta(minutes=70), "b3")])
+    caught_up(settings)
+    assert sessions_of(settings, customer) == [
+        (t, t, 1, ["b1"]),
+        (t + timedelta(minutes=40), t + timedelta(minutes=40), 1, ["b2"]),
+        (t + timedelta(minutes=70), t + timedelta(minutes=70), 1, ["b3"]),
+    ]
+    # A view that arrives late (within the watermark) between the first two joins them.
+    post(api, [gen.record(customer, t + timedelta(minutes=20), "b1")])
+    caught_up(settings)
+    assert sessions_of(settings, customer) == [
+        (t, t + timedelta(minutes=40), 3, ["b1", "b2"]),
+        (t + timedelta(minutes=70), t + timedelta(minutes=70), 1, ["b3"]),
+    ]
+
+
+def sessions_of(settings: Settings, customer: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(settings.database()) as conn:
+        rows = conn.execute(
+            "SELECT session_start, session_end, views, books FROM browsing_sessions "
+            "WHERE customer_id = %s ORDER BY session_start",
+            (customer,),
+        ).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def test_views_equal_the_fold_of_the_stream(
+    api: FlaskClient, procs: Processes, settings: Settings
+) -> None:
+    gen = PageViews(seed=2)
+    for _ in range(4):
+        post(api, gen.batch(200))
+    caught_up(settings)
+    assert stream_oracle.differences(settings) == {}
+    _, late = stream_oracle.expected(settings)
+    assert late > 0
+    assert late_counts(settings) == {v: late for v in VIEWS}
+    health_component(api, "projection:trending_books", lambda c: c.get("late_events") == late)
+    metrics = api.get("/metrics", headers=AUTH).get_data(as_text=True)
+    assert f'logfold_late_events{{component="projection:browsing_sessions"}} {late}.0' in metrics
+
+
+def test_kill_9_of_the_projector_mid_stream_counts_each_record_once(
+    api: FlaskClient, procs: Processes, settings: Settings
+) -> None:
+    gen = PageViews(seed=3)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            while not stop.wait(0.05):  # about 20 requests a second
+                post(api, gen.batch(50))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        for _ in range(3):
+            before = applied(settings)
+            wait_until(lambda b=before: applied(settings) > b + 100, 180, "more records applied")
+            procs.kill_9_projector()
+    finally:
+        stop.set()
+        sender.join()
+    assert not errors, errors
+    caught_up(settings)
+    assert stream_oracle.differences(settings) == {}
+
+
+def applied(settings: Settings) -> int:
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute(
+            "SELECT coalesce(sum(events_applied), 0) FROM projection_progress "
+            "WHERE projection = ANY(%s)",
+            (list(VIEWS),),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_rebuild_verify_finds_the_live_views_identical(
+    api: FlaskClient, procs: Processes, settings: Settings
+) -> None:
+    gen = PageViews(seed=4)
+    post(api, gen.batch(300))
+    caught_up(settings)
+    out = cli(settings, "rebuild", *VIEWS, "--verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("identical to the live view") == len(VIEWS), out.stdout
+    caught_up(settings)
+    assert stream_oracle.differences(settings) == {}
+    with psycopg.connect(settings.database()) as conn:
+        folds = dict(conn.execute("SELECT fold, count(*) FROM stream_ids GROUP BY fold").fetchall())
+    assert set(folds) == set(VIEWS)  # the rebuild's ids replaced the live ones
+    # Records sent again after the rebuild are still counted once.
+    post(api, gen.sent[:100])
+    caught_up(settings)
+    assert stream_oracle.differences(settings) == {}
