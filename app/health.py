@@ -95,6 +95,8 @@ class HealthChecks:
             }
             if "data_loss" in lag:
                 each[name]["data_loss"] = lag["data_loss"]
+            if "counted" in lag:  # figures its views declare (`View.counted`)
+                each[name]["counted"] = lag["counted"]
             if "failed" in lag:
                 each[name].update(
                     error=lag["failed"]["error"],

@@ -56,6 +56,13 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.counted = Gauge(
+            "logfold_view_rows",
+            "Rows of a view meeting a condition it declares (e.g. payouts without an account)",
+            ["component", "count"],
+            registry=self.registry,
+        )
+
         self.failed = Gauge(
             "logfold_component_failed",
             "1 while the projection or join is stopped by an error (see /health for it)",
@@ -76,6 +83,8 @@ class Metrics:
                 self.late_events.labels(name).set(status["late_events"])
             if "lost_offsets" in status:
                 self.lost.labels(name).set(status["lost_offsets"])
+            for label, rows in status.get("counted", {}).items():
+                self.counted.labels(name, label).set(rows)
 
     def count(self, command: str, status: int) -> None:
         self.commands.labels(command, str(status)).inc()

@@ -151,6 +151,16 @@ class ReadModel:
             rows = conn.execute(sa.select(progress_table)).fetchall()
         return {r.projection: dict(r._mapping) for r in rows}
 
+    def counted(self, fold: Fold) -> dict[str, int]:
+        """The figures `fold`'s views declare (`View.counted`): rows meeting each condition."""
+        found = {}
+        with self.engine.connect() as conn:
+            for view in fold.views:
+                for label, condition in view.counted.items():
+                    query = f"SELECT count(*) FROM {view.name} WHERE {condition}"
+                    found[label] = int(conn.execute(sa.text(query)).scalar_one())
+        return found
+
     def includes(self, fold: Fold, position: Position) -> bool:
         """Whether `fold` has applied the record at `position`, if it reads its partition."""
         key = f"{position.topic}:{position.partition}"
@@ -264,6 +274,8 @@ class ReadModel:
             }
             if p.get("data_loss"):
                 out[name]["data_loss"] = p["data_loss"]
+            if counted := self.counted(fold):
+                out[name]["counted"] = counted
             if p.get("error"):
                 out[name]["failed"] = {
                     "error": p["error"],

@@ -313,6 +313,7 @@ def load(args: argparse.Namespace) -> dict[str, object]:
                     "completed_per_s": statistics.median(r.completed_per_s for r, _ in runs),
                     "p50_ms": statistics.median(r.ms(0.5) for r, _ in runs),
                     "p99_ms": statistics.median(r.ms(0.99) for r, _ in runs),
+                    "runs_p50_p99_ms": [[r.ms(0.5), r.ms(0.99)] for r, _ in runs],
                     "statuses": [r.statuses for r, _ in runs],
                     "cpu_ms_per_command": {
                         k: round(statistics.median(c[k] for _, c in runs), 3) for k in runs[0][1]

@@ -109,6 +109,23 @@ class Stack:
         self.kafka.stop()
 
 
+def start_processes(
+    stack: Stack, procs: Processes, background: bool = True
+) -> tuple[str, CpuMeter]:
+    """An API process and, with `background`, a processor, the projector and CDC: the API's
+    URL and a CPU meter of every process of the stack (and of this one, `bench`)."""
+    roots: dict[str, int] = {}
+    if background:
+        roots |= {
+            "processor": procs.processor().pid,
+            "projector": procs.projector().pid,
+            "cdc": procs.cdc().pid,
+        }
+    api_proc, url = procs.api()
+    roots |= stack.infrastructure() | {"api": api_proc.pid, "bench": os.getpid()}
+    return url, CpuMeter(roots, alone=("bench",))
+
+
 def freshness(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(args.partitions)
     with stack as settings:
@@ -121,14 +138,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
         try:
             with psycopg.connect(settings.database()) as conn:
                 (spawned,) = conn.execute("SELECT now()").fetchone() or (None,)
-            roots = {
-                "processor": procs.processor().pid,
-                "projector": procs.projector().pid,
-                "cdc": procs.cdc().pid,
-            }
-            api_proc, url = procs.api()
-            roots |= stack.infrastructure() | {"api": api_proc.pid, "bench": os.getpid()}
-            meter = CpuMeter(roots, alone=("bench",))
+            url, meter = start_processes(stack, procs)
             procs.wait_processing(url, 1)
             api = HttpApi(url, token())
             # As `make run` does before its banner: every projection and join warmed and started.

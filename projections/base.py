@@ -49,6 +49,8 @@ class View:
 
     table: Table
     filterable: tuple[str, ...] = ()
+    # Rows worth a figure in /health and /metrics: name -> SQL condition on the view's rows.
+    counted: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -79,6 +81,8 @@ class Output(View):
     merge: dict[str, Merge]
     version_column: str | None = "version"
     late: bool = False  # its rows are late events, counted in the projection's progress
+    # Tables it keeps for itself (not served): a rebuild fills their shadows with the output's.
+    state: tuple[Table, ...] = ()
 
     def __post_init__(self) -> None:
         problems = [f"{c} is not a column" for c in self.merge if c not in self.columns]
@@ -108,6 +112,12 @@ class Output(View):
         """Whether a rebuild must replay the log through `merge_sql` (the rows of this output
         combine only in Postgres) instead of folding it in Spark (`transform`)."""
         return False
+
+    def merge_statements(self, suffix: str, rows: str) -> list[str]:
+        """The statements that merge a batch's rows (`rows`: the name of a JSON array
+        parameter) into this table and its state tables, each name + `suffix` (a rebuild's
+        shadows), run in order in one transaction."""
+        return [self.merge_sql(self.name + suffix, rows)]
 
     def merge_sql(self, target: str, rows: str) -> str:
         """Merge a batch's rows (`rows`: the name of a JSON array parameter, one object per

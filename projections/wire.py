@@ -4,7 +4,7 @@ One function, so a row read from Postgres and the same row decoded from the WAL 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -14,6 +14,8 @@ def wire_value(value: Any) -> Any:
         if value.tzinfo is None:
             value = value.replace(tzinfo=UTC)
         return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(value, date):  # a day: ISO, as CDC gives it
+        return value.isoformat()
     if isinstance(value, Decimal):
         return str(value)
     return value

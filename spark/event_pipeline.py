@@ -199,7 +199,7 @@ def merge_share(
             if new and (value := values[i]) is not None and value != "[]"
         ]
         for chunk in _chunks(arrays):
-            merge_json(conn, o, "[" + ",".join(a[1:-1] for a in chunk) + "]", o.name + suffix)
+            merge_json(conn, o, "[" + ",".join(a[1:-1] for a in chunk) + "]", suffix)
         if o.late:
             late += len(arrays)
     return late

@@ -191,11 +191,9 @@ class Rebuild:
     def _create_shadows(self, projections: list[Projection]) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             for p in projections:
-                for output in p.outputs:
-                    conn.execute(f"DROP TABLE IF EXISTS {output.name}{SHADOW}")
-                    conn.execute(
-                        f"CREATE TABLE {output.name}{SHADOW} (LIKE {output.name} INCLUDING ALL)"
-                    )
+                for table in _tables(p):
+                    conn.execute(f"DROP TABLE IF EXISTS {table}{SHADOW}")
+                    conn.execute(f"CREATE TABLE {table}{SHADOW} (LIKE {table} INCLUDING ALL)")
                 conn.execute("DELETE FROM stream_ids WHERE fold = %s", (p.name + SHADOW,))
 
     def _bulk_load(self, output: Output, events: DataFrame, bar: tqdm, share: float) -> None:
@@ -242,6 +240,11 @@ class Rebuild:
                 replace_contents(conn, t, t + SHADOW, output.key, output.columns)
                 conn.execute(f"DROP TABLE {t}{SHADOW}")
                 report.rows[t] = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
+                for state in output.state:
+                    key = tuple(str(c.name) for c in state.primary_key.columns)
+                    columns = tuple(str(c.name) for c in state.columns)
+                    replace_contents(conn, state.name, state.name + SHADOW, key, columns)
+                    conn.execute(f"DROP TABLE {state.name}{SHADOW}")
             if projection.streams:
                 move_stream_ids(conn, projection.name + SHADOW, projection.name)
             conn.execute(
@@ -251,6 +254,11 @@ class Rebuild:
                 (Jsonb(live), applied, late, projection.name),
             )
         return report
+
+
+def _tables(projection: Projection) -> list[str]:
+    """The tables a rebuild of `projection` fills in shadows: its outputs and their state."""
+    return [t for o in projection.outputs for t in (o.name, *(str(s.name) for s in o.state))]
 
 
 def differences(conn: psycopg.Connection[Any], live: str, rebuilt: str, columns: str) -> list[Any]:

@@ -143,11 +143,12 @@ def copy_rows(
     return n
 
 
-def merge_json(conn: psycopg.Connection[Any], output: Output, rows: str, target: str) -> None:
-    """Merge `rows`, a JSON array of row objects (by column name, any number per key), into
-    `target` (the output's table or its shadow) by the output's rules (`Output.merge_sql`).
+def merge_json(conn: psycopg.Connection[Any], output: Output, rows: str, suffix: str = "") -> None:
+    """Merge `rows`, a JSON array of row objects (by column name, any number per key), into the
+    output's table (+ `suffix`: its shadow) by the output's rules (`Output.merge_statements`).
     Postgres converts the values."""
-    conn.execute(output.merge_sql(target, "%s"), (rows,))
+    for statement in output.merge_statements(suffix, "%s"):
+        conn.execute(statement, (rows,))
 
 
 def count_once(
@@ -197,16 +198,16 @@ def _from_micros(micros: int) -> datetime:
 
 
 def merge_output(
-    conn: psycopg.Connection[Any], output: Output, events: DataFrame, target: str
+    conn: psycopg.Connection[Any], output: Output, events: DataFrame, suffix: str
 ) -> int:
-    """Fold `events` into rows and merge them into `target` (the output's table or its
+    """Fold `events` into rows and merge them into the output's table (+ `suffix`: its
     shadow). Returns how many rows were merged."""
     rows = wire_rows(output.transform(events))
     found = [
         r["row"] for r in rows.select(F.to_json(F.struct(*output.columns)).alias("row")).collect()
     ]
     if found:
-        merge_json(conn, output, "[" + ",".join(found) + "]", target)
+        merge_json(conn, output, "[" + ",".join(found) + "]", suffix)
     return len(found)
 
 
@@ -226,7 +227,7 @@ def apply_events(
             return offsets, 0, 0
         late = 0
         for output in projection.outputs:
-            merged = merge_output(conn, output, fresh, output.name + suffix)
+            merged = merge_output(conn, output, fresh, suffix)
             if output.late:
                 late += merged
         return {**offsets, **seen}, applied, late

@@ -8,11 +8,13 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from kafka import TopicPartition
+import psycopg
 
-from events.store import committed_reader
+from events.serialization import decode
+from events.store import read_to_end
 from stack.settings import Settings
 from stack.topics import Topics
 from tests.oracle import compare, read_views
@@ -40,29 +42,40 @@ class Counted:
 
 def read_stream(settings: Settings, stream: str) -> list[list[Fact]]:
     """Every committed record of the stream, per partition, in log order."""
-    topic = Topics(settings.topic_prefix).stream(stream)
-    consumer = committed_reader(settings.kafka())
-    try:
-        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
-        consumer.assign(tps)
-        ends = consumer.end_offsets(tps)
-        consumer.seek_to_beginning(*tps)
-        out: dict[int, list[Fact]] = defaultdict(list)
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            for tp, records in consumer.poll(timeout_ms=1000).items():
-                for r in records:
-                    doc = json.loads(r.value)
-                    out[tp.partition].append(
-                        Fact(
-                            doc["id"],
-                            datetime.fromisoformat(doc["occurred_at"]),
-                            datetime.fromtimestamp(r.timestamp / 1000, UTC),
-                            doc["data"],
-                        )
-                    )
-        return [out[p] for p in range(settings.partitions)]
-    finally:
-        consumer.close()
+    out: list[list[Fact]] = [[] for _ in range(settings.partitions)]
+    for r in read_to_end(settings.kafka(), Topics(settings.topic_prefix).stream(stream)):
+        doc = json.loads(r.value)
+        out[r.partition].append(
+            Fact(
+                doc["id"],
+                datetime.fromisoformat(doc["occurred_at"]),
+                datetime.fromtimestamp(r.timestamp / 1000, UTC),
+                doc["data"],
+            )
+        )
+    return out
+
+
+@dataclass
+class Order:
+    customer_id: str
+    books: set[str]
+    at: datetime
+
+
+def orders_placed(settings: Settings, lateness: timedelta = LATENESS) -> tuple[list[Order], int]:
+    """Every OrderPlaced on time, and how many were late."""
+    found, late = [], 0
+    for r in read_to_end(settings.kafka(), Topics(settings.topic_prefix).events("order")):
+        e = decode(r.value)
+        if e.type != "OrderPlaced":
+            continue
+        at = datetime.fromisoformat(e.occurred_at)
+        if datetime.fromtimestamp(r.timestamp / 1000, UTC) - at > lateness:
+            late += 1
+            continue
+        found.append(Order(e.data["customer_id"], {x["book_id"] for x in e.data["lines"]}, at))
+    return found, late
 
 
 def counted(partitions: list[list[Fact]], lateness: timedelta = LATENESS) -> Counted:
@@ -113,18 +126,43 @@ def browsing_sessions(facts: list[Fact]) -> Rows:
     return rows
 
 
-def expected(settings: Settings) -> tuple[dict[str, Rows], int]:
+def book_conversions(facts: list[Fact], orders: list[Order]) -> Rows:
+    rows: Rows = {}
+    for f in facts:
+        customer, book = f.data["customer_id"], f.data["book_id"]
+        converts = any(
+            o.customer_id == customer
+            and book in o.books
+            and f.occurred_at <= o.at <= f.occurred_at + HOUR
+            for o in orders
+        )
+        row = rows.setdefault(
+            (book, f.occurred_at.astimezone(UTC).date()), {"views": 0, "converted_views": 0}
+        )
+        row["views"] += 1
+        row["converted_views"] += int(converts)
+    return rows
+
+
+def expected(settings: Settings) -> tuple[dict[str, Rows], dict[str, int]]:
     """The stream views' rows, and the late records each counts."""
     views = counted(read_stream(settings, "page_views"))
+    orders, late_orders = orders_placed(settings)
     return {
         "trending_books": trending_books(views.facts),
         "browsing_sessions": browsing_sessions(views.facts),
-    }, views.late
+        "book_conversions": book_conversions(views.facts, orders),
+    }, {
+        "trending_books": views.late,
+        "browsing_sessions": views.late,
+        "book_conversions": views.late + late_orders,
+    }
 
 
 KEYS = {
     "trending_books": ["book_id", "window_start"],
     "browsing_sessions": ["customer_id", "session_start"],
+    "book_conversions": ["book_id", "day"],
 }
 
 
@@ -135,3 +173,45 @@ def actual(settings: Settings) -> dict[str, Rows]:
 def differences(settings: Settings) -> dict[str, Any]:
     """Per view, the keys whose rows differ (expected, actual); empty when all match."""
     return compare(expected(settings)[0], actual(settings))
+
+
+def royalty_payouts(settings: Settings) -> Rows:
+    """Each paid line with its author's payout account as of the payment: the profile version
+    (`author_profile_history`, the table's own record of itself) valid at `paid_at`."""
+    with psycopg.connect(settings.database()) as conn:
+        history = conn.execute(
+            "SELECT author, CASE WHEN valid_from > '-infinity' THEN valid_from END, "
+            "payout_account FROM author_profile_history"
+        ).fetchall()
+    versions: dict[str, list[tuple[datetime, str | None]]] = defaultdict(list)
+    for author, valid_from, account in history:
+        at = valid_from or datetime.min.replace(tzinfo=UTC)  # None: since ever
+        versions[author].append((at, account))
+    rows: Rows = {}
+    for r in read_to_end(settings.kafka(), Topics(settings.topic_prefix).events("order")):
+        e = decode(r.value)
+        if e.type != "OrderPaid":
+            continue
+        paid_at = datetime.fromisoformat(e.occurred_at)
+        for line in e.data["lines"]:
+            valid = [v for v in versions.get(line["author"], []) if v[0] <= paid_at]
+            exact = Decimal(line["quantity"] * line["unit_price_cents"]) * Decimal(
+                str(line["royalty_rate"])
+            )
+            row = rows.setdefault(
+                (e.aggregate_id, line["book_id"]),
+                {
+                    "author": line["author"],
+                    "payout_account": max(valid, key=lambda v: v[0])[1] if valid else None,
+                    "amount_cents": 0,
+                    "paid_at": paid_at,
+                },
+            )
+            row["amount_cents"] += int(exact.quantize(Decimal(1), rounding=ROUND_HALF_UP))
+    return rows
+
+
+def compare_payouts(settings: Settings) -> dict[str, Any]:
+    """`royalty_payouts` against `royalty_payouts(settings)`: empty when they match."""
+    have = read_views(settings, {"royalty_payouts": ["order_id", "book_id"]})
+    return compare({"royalty_payouts": royalty_payouts(settings)}, have)

@@ -82,9 +82,14 @@ def append_events(
     aggregate_id: str,
     *events: tuple[int, DomainEvent, str],
 ) -> None:
-    """Write (version, event, occurred_at ISO) straight into the log, as the processor would:
-    for tests that need events the domain would not produce now (old or late ones)."""
-    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    """Write (version, event, occurred_at ISO) straight into the log, as the processor would
+    (in a transaction, so the log's offsets and markers are as the read side expects them): for
+    tests that need events the domain would not produce now (old or late ones)."""
+    producer = KafkaProducer(
+        bootstrap_servers=settings.kafka(), transactional_id=f"test-{uuid.uuid4()}", acks="all"
+    )
+    producer.init_transactions()
+    producer.begin_transaction()
     for version, event, occurred_at in events:
         envelope = envelope_for(
             event,
@@ -103,7 +108,7 @@ def append_events(
             value=encode(envelope),
             partition=partition_for(aggregate_id, settings.partitions),
         )
-    producer.flush()
+    producer.commit_transaction()
     producer.close()
 
 

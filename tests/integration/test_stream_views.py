@@ -1,8 +1,9 @@
 """Views over streams of facts (guarantees 20 and 21) on real Kafka, Postgres and Spark: the
-projector's `trending_books` (hopping windows) and `browsing_sessions` (session windows) equal an
-independent fold of the stream (`tests/stream_oracle.py`) with out-of-order records, records past
-the watermark, duplicated ids and sessions that merge; after `kill -9` of the projector
-mid-stream; and after `logfold rebuild --verify`."""
+projector's `trending_books` (hopping windows), `browsing_sessions` (session windows) and
+`book_conversions` (a stream-stream join with orders) equal an independent fold of the log
+(`tests/stream_oracle.py`) with out-of-order records, records past the watermark, duplicated
+ids, sessions that merge and conversions on both sides of the one-hour bound; after `kill -9` of
+the projector mid-stream; and after `logfold rebuild --verify`."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ from flask.testing import FlaskClient
 
 from app import close_app, create_app
 from app.read_model import ReadModel
+from events.order import OrderPaid, OrderPlaced, PlacedLine
 from stack.procs import wait_until
 from stack.settings import Settings
 from tests import stream_oracle
-from tests.support import Processes, cli, health_component, token
+from tests.support import Processes, append_events, cli, health_component, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 AUTH = {"Authorization": f"Bearer {token('streams:write', 'views:read', 'admin')}"}
-VIEWS = ("trending_books", "browsing_sessions")
+VIEWS = ("trending_books", "browsing_sessions", "book_conversions")  # over page_views
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +51,24 @@ def procs(projecting: Processes) -> Processes:
 
 class PageViews:
     """Generates page views the way devices send them: out of order, some past the watermark,
-    some sent twice (in the same request or a later one), in sessions that merge."""
+    some sent twice (in the same request or a later one), in sessions that merge; and orders
+    of the same customers and books, some within an hour after their views."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.sent: list[dict[str, Any]] = []
         self.customers = [f"cust-{uuid.uuid4().hex[:6]}" for _ in range(6)]
         self.books = [f"book-{i}" for i in range(5)]
+
+    def orders(self, settings: Settings, count: int) -> None:
+        """Place `count` orders straight into the log, at chosen event times (one late)."""
+        now = datetime.now(UTC)
+        for i in range(count):
+            minutes = 200 if i == 0 else self.rng.randint(0, 110)
+            books = self.rng.sample(self.books, k=self.rng.randint(1, 2))
+            place(
+                settings, self.rng.choice(self.customers), books, now - timedelta(minutes=minutes)
+            )
 
     def record(self, customer: str, at: datetime, book: str | None = None) -> dict[str, Any]:
         return {
@@ -82,6 +95,12 @@ class PageViews:
         self.rng.shuffle(out)
         self.sent += out
         return out
+
+
+def place(settings: Settings, customer: str, books: list[str], at: datetime) -> None:
+    lines = tuple(PlacedLine(b, 1, 100, "An Author", 0.1) for b in books)
+    order = f"order-{uuid.uuid4().hex[:8]}"
+    append_events(settings, "order", order, (1, OrderPlaced(customer, lines, 100), at.isoformat()))
 
 
 def post(api: FlaskClient, records: list[dict[str, Any]]) -> None:
@@ -136,6 +155,109 @@ def test_sessions_merge_when_a_late_view_bridges_them(
     ]
 
 
+def test_a_view_converts_once_within_the_hour_whichever_side_comes_first(
+    api: FlaskClient, procs: Processes, settings: Settings
+) -> None:
+    gen = PageViews(seed=5)
+    book = f"conv-{uuid.uuid4().hex[:6]}"
+    alice, bob, carol = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("alice", "bob", "carol"))
+    t = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=100)
+    # Alice: the view first, then two orders within the hour (it converts once).
+    post(api, [gen.record(alice, t, book)])
+    caught_up(settings)
+    place(settings, alice, [book], t + timedelta(minutes=59))
+    place(settings, alice, [book], t + timedelta(minutes=60))
+    # Bob: the order first (at one hour and a minute after the view: too late), the view after.
+    place(settings, bob, [book], t + timedelta(minutes=61))
+    caught_up(settings)
+    post(api, [gen.record(bob, t, book)])
+    # Carol: an order before the view does not convert it; one placed later, sent late, does.
+    place(settings, carol, [book], t - timedelta(minutes=1))
+    post(api, [gen.record(carol, t, book)])
+    caught_up(settings)
+    place(settings, carol, [book], t + timedelta(minutes=30))
+    caught_up(settings)
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute(
+            "SELECT views, converted_views FROM book_conversions WHERE book_id = %s AND day = %s",
+            (book, t.date()),
+        ).fetchone()
+    assert row == (3, 2)
+    r = api.get(f"/views/book_conversions?book_id={book}", headers=AUTH)
+    assert r.status_code == 200, r.json
+    assert r.json["rows"] == [
+        {"book_id": book, "day": t.date().isoformat(), "views": 3, "converted_views": 2}
+    ]
+
+
+def pay(settings: Settings, author: str, at: datetime, cents: int = 1000) -> str:
+    """An order of one book by `author` paid at `at`, straight into the log; its id."""
+    order = f"order-{uuid.uuid4().hex[:8]}"
+    line = PlacedLine(f"book-by-{author}", 1, cents, author, 0.1)
+    append_events(settings, "order", order, (2, OrderPaid(cents, (line,)), at.isoformat()))
+    return order
+
+
+def sql(settings: Settings, statement: str, *params: Any) -> None:
+    with psycopg.connect(settings.database()) as conn:
+        conn.execute(statement, params)
+
+
+def payout_accounts(settings: Settings) -> dict[str, str | None]:
+    with psycopg.connect(settings.database()) as conn:
+        rows = conn.execute("SELECT order_id, payout_account FROM royalty_payouts").fetchall()
+    return dict(rows)
+
+
+def payouts_caught_up(settings: Settings, orders: int) -> None:
+    wait_until(lambda: len(payout_accounts(settings)) >= orders, 120, "the payouts")
+
+
+def test_a_payout_uses_the_profile_as_it_was_when_paid(
+    api: FlaskClient, procs: Processes, settings: Settings
+) -> None:
+    le_guin, nobody = f"Le Guin {uuid.uuid4().hex[:6]}", f"Nobody {uuid.uuid4().hex[:6]}"
+    sql(
+        settings,
+        "INSERT INTO author_profiles (author, bio, payout_account) VALUES (%s, 'Wrote.', 'acct-1')",
+        le_guin,
+    )
+    before = datetime.now(UTC)
+    first = pay(settings, le_guin, before)
+    no_profile = pay(settings, nobody, before, cents=500)
+    payouts_caught_up(settings, len(payout_accounts(settings)) + 2)
+    sql(settings, "UPDATE author_profiles SET payout_account = 'acct-2' WHERE author = %s", le_guin)
+    second = pay(settings, le_guin, datetime.now(UTC))
+    # Paid before the change, but reaching the log after it: the account of its time.
+    backdated = pay(settings, le_guin, before)
+    sql(settings, "DELETE FROM author_profiles WHERE author = %s", le_guin)
+    gone = pay(settings, le_guin, datetime.now(UTC))
+    wait_until(lambda: gone in payout_accounts(settings), 120, "the last payout")
+    accounts = payout_accounts(settings)
+    assert [accounts[o] for o in (first, second, backdated, gone, no_profile)] == [
+        "acct-1",
+        "acct-2",
+        "acct-1",
+        None,
+        None,
+    ]
+    assert stream_oracle.compare_payouts(settings) == {}
+    health_component(
+        api,
+        "projection:royalty_payouts",
+        lambda c: c.get("counted", {}).get("payouts_without_account") == 2,
+    )
+    metrics = api.get("/metrics", headers=AUTH).get_data(as_text=True)
+    assert (
+        'logfold_view_rows{component="projection:royalty_payouts",count="payouts_without_account"}'
+        " 2.0" in metrics
+    )
+    out = cli(settings, "rebuild", "royalty_payouts", "--verify")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "verify royalty_payouts: identical to the live view" in out.stdout, out.stdout
+    assert payout_accounts(settings) == accounts
+
+
 def sessions_of(settings: Settings, customer: str) -> list[tuple[Any, ...]]:
     with psycopg.connect(settings.database()) as conn:
         rows = conn.execute(
@@ -152,14 +274,19 @@ def test_views_equal_the_fold_of_the_stream(
     gen = PageViews(seed=2)
     for _ in range(4):
         post(api, gen.batch(200))
+        gen.orders(settings, 15)
     caught_up(settings)
     assert stream_oracle.differences(settings) == {}
     _, late = stream_oracle.expected(settings)
-    assert late > 0
-    assert late_counts(settings) == {v: late for v in VIEWS}
-    health_component(api, "projection:trending_books", lambda c: c.get("late_events") == late)
+    assert all(late.values())
+    assert late_counts(settings) == late
+    want = late["trending_books"]
+    health_component(api, "projection:trending_books", lambda c: c.get("late_events") == want)
     metrics = api.get("/metrics", headers=AUTH).get_data(as_text=True)
-    assert f'logfold_late_events{{component="projection:browsing_sessions"}} {late}.0' in metrics
+    n = late["book_conversions"]
+    assert f'logfold_late_events{{component="projection:book_conversions"}} {n}.0' in metrics
+    converted = stream_oracle.actual(settings)["book_conversions"]
+    assert sum(r["converted_views"] for r in converted.values()) > 0
 
 
 def test_kill_9_of_the_projector_mid_stream_counts_each_record_once(
@@ -173,6 +300,8 @@ def test_kill_9_of_the_projector_mid_stream_counts_each_record_once(
         try:
             while not stop.wait(0.05):  # about 20 requests a second
                 post(api, gen.batch(50))
+                gen.orders(settings, 2)
+                pay(settings, gen.rng.choice(["Austen", "Brontë"]), datetime.now(UTC))
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -189,6 +318,7 @@ def test_kill_9_of_the_projector_mid_stream_counts_each_record_once(
     assert not errors, errors
     caught_up(settings)
     assert stream_oracle.differences(settings) == {}
+    assert stream_oracle.compare_payouts(settings) == {}
 
 
 def applied(settings: Settings) -> int:
@@ -206,6 +336,7 @@ def test_rebuild_verify_finds_the_live_views_identical(
 ) -> None:
     gen = PageViews(seed=4)
     post(api, gen.batch(300))
+    gen.orders(settings, 30)
     caught_up(settings)
     out = cli(settings, "rebuild", *VIEWS, "--verify")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,179 @@
+"""Page views that lead to a purchase: a stream-stream join of `page_views` and `OrderPlaced`.
+
+A page view of a book *converts* when the same customer places an order with that book within
+`WITHIN` after it, in event time (`0 <= order - view <= WITHIN`). Per book and UTC day of the
+view: `views` and `converted_views`; each view converts at most once, however many orders match.
+
+Both sides are kept, bounded by the watermark (`docs/streams.md`): a view waits for its order
+in `conversion_views` and an order for late views in `conversion_orders`. Whether a view
+converts depends only on the set of views and orders, not on the order they arrive in, so the
+live view and a rebuild agree. State is dropped once nothing on time could still match it: an
+order once `LATENESS` (plus margins) older than the newest record, a view `WITHIN` later still.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from sqlalchemy import BigInteger, Boolean, Date, DateTime, Index, Table, Text
+from sqlalchemy import Column as SqlColumn
+
+from projections import metadata
+from projections.base import Output, Projection
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
+
+WITHIN = timedelta(hours=1)
+LATENESS = timedelta(hours=2)
+# Beyond the watermark, how much older than the newest record's event time state may still be
+# needed: the clocks of API processes and devices differ (the allowed skew and more).
+MARGIN = timedelta(minutes=15)
+
+table = Table(
+    "book_conversions",
+    metadata,
+    SqlColumn("book_id", Text, primary_key=True),
+    SqlColumn("day", Date, primary_key=True),  # UTC day of the views
+    SqlColumn("views", BigInteger, nullable=False),
+    SqlColumn("converted_views", BigInteger, nullable=False),
+)
+views_state = Table(
+    "conversion_views",
+    metadata,
+    SqlColumn("view_id", Text, primary_key=True),
+    SqlColumn("customer_id", Text, nullable=False),
+    SqlColumn("book_id", Text, nullable=False),
+    SqlColumn("at", DateTime(timezone=True), nullable=False),
+    SqlColumn("converted", Boolean, nullable=False),
+    Index("ix_conversion_views_match", "customer_id", "book_id", "at"),
+    Index("ix_conversion_views_at", "at"),
+)
+orders_state = Table(
+    "conversion_orders",
+    metadata,
+    SqlColumn("order_id", Text, primary_key=True),
+    SqlColumn("book_id", Text, primary_key=True),
+    SqlColumn("customer_id", Text, nullable=False),
+    SqlColumn("at", DateTime(timezone=True), nullable=False),
+    Index("ix_conversion_orders_match", "customer_id", "book_id", "at"),
+    Index("ix_conversion_orders_at", "at"),
+)
+
+
+def rows() -> Column:
+    """A page view: one view; an OrderPlaced: one order per line (customer, book, time)."""
+    from projections._fold import F, field
+
+    def side(kind: str, record_id: Column, book_id: Column) -> Column:
+        return F.struct(
+            F.lit(kind).alias("kind"),
+            record_id.alias("id"),
+            field("customer_id").alias("customer_id"),
+            book_id.alias("book_id"),
+            F.col("occurred_at").alias("at"),
+        )
+
+    lines = F.from_json(field("lines"), "array<struct<book_id:string>>")
+    return F.when(
+        F.col("type") == "page_views", F.array(side("view", F.col("event_id"), field("book_id")))
+    ).when(
+        F.col("type") == "OrderPlaced",
+        F.transform(lines, lambda line: side("order", F.col("aggregate_id"), line["book_id"])),
+    )
+
+
+def _seconds(d: timedelta) -> str:
+    return f"INTERVAL '{int(d.total_seconds())} seconds'"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversions(Output):
+    """The join's merge, in Postgres: orders in; views in, converted if an order already
+    matches, counted per book and day; views that a new order converts, counted; then the
+    state nothing on time can match any more, out."""
+
+    within: timedelta
+    lateness: timedelta
+
+    @property
+    def replayed(self) -> bool:
+        return True
+
+    def merge_statements(self, suffix: str, rows: str) -> list[str]:
+        t, views, orders = (
+            self.name + suffix,
+            f"conversion_views{suffix}",
+            f"conversion_orders{suffix}",
+        )
+        batch = (
+            f"jsonb_to_recordset({rows}::jsonb) "
+            "AS r (kind text, id text, customer_id text, book_id text, at timestamptz)"
+        )
+        within = _seconds(self.within)
+        day = "(at AT TIME ZONE 'UTC')::date"
+        return [
+            f"""
+INSERT INTO {orders} (order_id, book_id, customer_id, at)
+SELECT id, book_id, customer_id, at FROM {batch} WHERE kind = 'order'
+ON CONFLICT DO NOTHING""",
+            f"""
+WITH new AS (
+    INSERT INTO {views} (view_id, customer_id, book_id, at, converted)
+    SELECT r.id, r.customer_id, r.book_id, r.at, EXISTS (
+        SELECT 1 FROM {orders} o
+        WHERE o.customer_id = r.customer_id AND o.book_id = r.book_id
+        AND o.at >= r.at AND o.at <= r.at + {within}
+    )
+    FROM {batch} WHERE kind = 'view'
+    ON CONFLICT DO NOTHING
+    RETURNING book_id, at, converted
+)
+INSERT INTO {t} AS t (book_id, day, views, converted_views)
+SELECT book_id, {day}, count(*), count(*) FILTER (WHERE converted) FROM new GROUP BY 1, 2
+ON CONFLICT (book_id, day) DO UPDATE SET views = t.views + excluded.views,
+    converted_views = t.converted_views + excluded.converted_views""",
+            f"""
+WITH new AS (
+    SELECT customer_id, book_id, at FROM {batch} WHERE kind = 'order'
+), converted AS (
+    UPDATE {views} v SET converted = TRUE
+    WHERE NOT v.converted AND EXISTS (
+        SELECT 1 FROM new o
+        WHERE o.customer_id = v.customer_id AND o.book_id = v.book_id
+        AND o.at >= v.at AND o.at <= v.at + {within}
+    )
+    RETURNING v.book_id, v.at
+)
+UPDATE {t} AS t SET converted_views = t.converted_views + c.n
+FROM (SELECT book_id, {day} AS day, count(*) AS n FROM converted GROUP BY 1, 2) c
+WHERE t.book_id = c.book_id AND t.day = c.day""",
+            f"""
+WITH newest AS (SELECT max(at) AS at FROM {batch})
+DELETE FROM {orders} WHERE at < (SELECT at FROM newest) - {_seconds(self.lateness + MARGIN)}""",
+            f"""
+WITH newest AS (SELECT max(at) AS at FROM {batch})
+DELETE FROM {views}
+WHERE at < (SELECT at FROM newest) - {_seconds(self.lateness + self.within + MARGIN)}""",
+        ]
+
+
+conversions = Conversions(
+    table,
+    rows=rows,
+    merge={},
+    filterable=("book_id",),
+    version_column=None,
+    state=(views_state, orders_state),
+    within=WITHIN,
+    lateness=LATENESS,
+)
+projection = Projection(
+    "book_conversions",
+    topics=("order",),
+    streams=("page_views",),
+    lateness=LATENESS,
+    outputs=(conversions,),
+)
