@@ -183,16 +183,16 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             api = HttpApi(url, token())
             wait_until_started(settings, spawned)
             book, buyers = warm_up(settings, api)
-            run = uuid.uuid4().hex[:6]
             stream = requests.Session()
             headers = {"Authorization": f"Bearer {token('streams:write')}"}
 
             def view(key: str) -> Any:
                 def send(i: int) -> tuple[str, float] | None:
+                    new = uuid.uuid4().hex  # a customer and a book no row has yet
                     record = {
-                        "id": f"pv-{uuid.uuid4().hex}",
+                        "id": f"pv-{new}",
                         "occurred_at": datetime.now(UTC).isoformat(),
-                        "data": {"customer_id": f"c-{run}-{i}", "book_id": f"b-{run}-{i}"},
+                        "data": {"customer_id": f"c-{new}", "book_id": f"b-{new}"},
                     }
                     r = stream.post(
                         f"{url}/streams/page_views/records",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +321,50 @@ def test_logfold_rebuild_of_a_joined_view_sends_resync_and_a_snapshot_equal_to_i
         PIPELINE_S,
     )
     client.close()
+
+
+def test_a_session_merge_reaches_a_subscriber_as_a_delete_and_a_change(stack: Stack) -> None:
+    """A view over a stream of facts is captured and pushed like any other: two sessions of a
+    customer arrive as rows; a page view that bridges them arrives as the delete of one and the
+    change of the other."""
+    customer = f"reader-{uuid.uuid4().hex[:8]}"
+    t = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=90)
+
+    def views(*minutes: int) -> None:
+        records = [
+            {
+                "id": f"pv-{uuid.uuid4().hex}",
+                "occurred_at": (t + timedelta(minutes=m)).isoformat(),
+                "data": {"customer_id": customer, "book_id": f"book-{m}"},
+            }
+            for m in minutes
+        ]
+        r = stack.api.session.post(
+            f"{stack.url}/streams/page_views/records",
+            json={"records": records},
+            headers={"Authorization": f"Bearer {token('streams:write')}"},
+        )
+        assert r.status_code == 202, r.text
+
+    client = stack.client()
+    _subscribed(client, "s", "browsing_sessions", {"customer_id": customer})
+    views(0, 40)
+
+    def sessions() -> dict[Any, Any]:
+        return {k: (r["views"], r["books"]) for k, r in _rows(client, "s", "session_start").items()}
+
+    first, second = (t + timedelta(minutes=m) for m in (0, 40))
+    iso = [x.isoformat().replace("+00:00", "Z") for x in (first, second)]
+    client.wait_for(
+        lambda: sessions() == {iso[0]: (1, ["book-0"]), iso[1]: (1, ["book-40"])},
+        "two sessions",
+        PIPELINE_S,
+    )
+    views(20)
+    client.wait_for(
+        lambda: sessions() == {iso[0]: (3, ["book-0", "book-20", "book-40"])},
+        "one merged session",
+        PIPELINE_S,
+    )
+    changes = [m for m in client.of("s") if m["type"] == "change"]
+    assert [m["op"] for m in changes][-2:] in (["delete", "upsert"], ["upsert", "delete"])
