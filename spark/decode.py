@@ -7,7 +7,7 @@ batch of current events never leaves the JVM."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import pandas as pd
 from pyspark.sql import DataFrame, SparkSession
@@ -197,27 +197,33 @@ def kafka_options(bootstrap: str) -> dict[str, str]:
     }
 
 
-def offsets_json(
-    topics: Iterable[str], partitions: int, offsets: dict[str, int], delta: int
-) -> str:
-    """Spark's per-partition offsets JSON: `offsets[topic:partition] + delta`, or earliest (-2)."""
-    doc = {
-        t: {
-            str(p): (offsets[f"{t}:{p}"] + delta if f"{t}:{p}" in offsets else -2)
-            for p in range(partitions)
-        }
-        for t in topics
-    }
-    return json.dumps(doc)
+def between_json(after: dict[str, int], upto: dict[str, int]) -> tuple[str, str, str]:
+    """Spark's `assign`, `startingOffsets` and `endingOffsets` for the records after `after`
+    up to `upto` ("topic:partition" -> last offset), of the partitions `upto` names only (one
+    it does not name has nothing to read, and Spark takes no "earliest" as an end)."""
+    assign: dict[str, list[int]] = {}
+    starting: dict[str, dict[str, int]] = {}
+    ending: dict[str, dict[str, int]] = {}
+    for key, last in sorted(upto.items()):
+        topic, partition = key.rsplit(":", 1)
+        assign.setdefault(topic, []).append(int(partition))
+        starting.setdefault(topic, {})[partition] = after[key] + 1 if key in after else -2
+        ending.setdefault(topic, {})[partition] = last + 1
+    return json.dumps(assign), json.dumps(starting), json.dumps(ending)
 
 
 def read_batch(
-    spark: SparkSession, bootstrap: str, topics: list[str], starting: str, ending: str
+    spark: SparkSession,
+    bootstrap: str,
+    topics: list[str],
+    starting: str,
+    ending: str,
+    assign: str | None = None,
 ) -> DataFrame:
+    """A batch read of `topics` (or of the partitions `assign` names) between two offsets."""
     reader = spark.read.format("kafka").options(**kafka_options(bootstrap))
-    return (
-        reader.option("subscribe", ",".join(topics))
-        .option("startingOffsets", starting)
-        .option("endingOffsets", ending)
-        .load()
-    )
+    if assign is not None:
+        reader = reader.option("assign", assign)
+    else:
+        reader = reader.option("subscribe", ",".join(topics))
+    return reader.option("startingOffsets", starting).option("endingOffsets", ending).load()

@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 from projections.base import Output, Projection
 from spark.decode import (
+    between_json,
     decode_events,
     events_of,
     every_event,
-    offsets_json,
     parse_events,
     read_batch,
 )
@@ -69,9 +69,11 @@ class Rebuild:
         self.topics = Topics(settings.topic_prefix)
         self.url = settings.database()
 
-    def _read(self, projection: Projection, starting: str, ending: str) -> DataFrame:
+    def _read(
+        self, projection: Projection, starting: str, ending: str, assign: str | None = None
+    ) -> DataFrame:
         names = self._names(projection)
-        raw = read_batch(self.spark, self.settings.kafka(), names, starting, ending)
+        raw = read_batch(self.spark, self.settings.kafka(), names, starting, ending, assign)
         if projection.replayed:  # the live pipeline's columns
             return every_event(parse_events(raw, self._streams([projection])))
         return decode_events(raw)
@@ -94,11 +96,8 @@ class Rebuild:
     def _between(
         self, projection: Projection, after: dict[str, int], upto: dict[str, int]
     ) -> DataFrame:
-        names = self._names(projection)
-        n = self.settings.partitions
-        return self._read(
-            projection, offsets_json(names, n, after, 1), offsets_json(names, n, upto, 1)
-        )
+        assign, starting, ending = between_json(after, upto)
+        return self._read(projection, starting, ending, assign)
 
     def run(self, projection: Projection, verify: bool = False, progress: bool = True) -> Report:
         return self.run_many([projection], verify, progress)[0]

@@ -81,15 +81,20 @@ def append_events(
     aggregate_type: str,
     aggregate_id: str,
     *events: tuple[int, DomainEvent, str],
+    transactional: bool = True,
 ) -> None:
     """Write (version, event, occurred_at ISO) straight into the log, as the processor would
     (in a transaction, so the log's offsets and markers are as the read side expects them): for
-    tests that need events the domain would not produce now (old or late ones)."""
+    tests that need events the domain would not produce now (old or late ones).
+    `transactional=False`: one offset a record, no markers (for tests that count offsets)."""
     producer = KafkaProducer(
-        bootstrap_servers=settings.kafka(), transactional_id=f"test-{uuid.uuid4()}", acks="all"
+        bootstrap_servers=settings.kafka(),
+        transactional_id=f"test-{uuid.uuid4()}" if transactional else None,
+        acks="all",
     )
-    producer.init_transactions()
-    producer.begin_transaction()
+    if transactional:
+        producer.init_transactions()
+        producer.begin_transaction()
     for version, event, occurred_at in events:
         envelope = envelope_for(
             event,
@@ -108,7 +113,9 @@ def append_events(
             value=encode(envelope),
             partition=partition_for(aggregate_id, settings.partitions),
         )
-    producer.commit_transaction()
+    if transactional:
+        producer.commit_transaction()
+    producer.flush()
     producer.close()
 
 

@@ -208,9 +208,8 @@ def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
         while True:
             cid = f"c-{uuid.uuid4().hex[:8]}"
             if partition_for(cid, settings.partitions) == 0:
-                append_events(
-                    settings, "customer", cid, (1, CustomerRegistered(name, f"{cid}@x.org"), AT)
-                )
+                event = (1, CustomerRegistered(name, f"{cid}@x.org"), AT)
+                append_events(settings, "customer", cid, event, transactional=False)
                 return cid
 
     for name in ("A", "B"):

@@ -223,9 +223,10 @@ def test_a_payout_uses_the_profile_as_it_was_when_paid(
         le_guin,
     )
     before = datetime.now(UTC)
+    already = len(payout_accounts(settings))
     first = pay(settings, le_guin, before)
     no_profile = pay(settings, nobody, before, cents=500)
-    payouts_caught_up(settings, len(payout_accounts(settings)) + 2)
+    payouts_caught_up(settings, already + 2)
     sql(settings, "UPDATE author_profiles SET payout_account = 'acct-2' WHERE author = %s", le_guin)
     second = pay(settings, le_guin, datetime.now(UTC))
     # Paid before the change, but reaching the log after it: the account of its time.
