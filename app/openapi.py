@@ -247,7 +247,7 @@ def stream_paths(errors: dict[str, Any]) -> dict[str, Any]:
                         },
                         "every record of the request is committed in Kafka",
                     ),
-                    **_pick(errors, "400", "401", "403", "404", "413", "415", "422", "503"),
+                    **_pick(errors, "400", "401", "403", "404", "413", "415", "422", "503", "504"),
                 },
             }
         }

@@ -11,7 +11,7 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 from app.auth import require
 from app.errors import ApiError, json_object, unavailable
 from commands.schemas import details
-from streams.ingest import FactRecord, Ingestion, Unavailable
+from streams.ingest import FactRecord, Ingestion, Unavailable, Unknown
 from streams.registry import STREAMS, Stream
 
 bp = Blueprint("streams", __name__)
@@ -59,6 +59,13 @@ def post_records(name: str) -> Response:
         raise unavailable(
             f"Kafka is unavailable; the records were not accepted ({e}). Retry the same "
             "request: a record's id makes a retry harmless."
+        ) from e
+    except Unknown as e:
+        raise ApiError(
+            504,
+            "timeout",
+            f"Kafka did not acknowledge the commit in time; the records may or may not be "
+            f"accepted ({e}). Retry the same request: a record's id makes a retry harmless.",
         ) from e
     response = jsonify({"accepted": len(records)})
     response.status_code = 202

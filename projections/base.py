@@ -119,6 +119,12 @@ class Output(View):
         shadows), run in order in one transaction."""
         return [self.merge_sql(self.name + suffix, rows)]
 
+    def prune_statements(self, suffix: str) -> list[str]:
+        """The statements that drop the state nothing on time can need any more, run once
+        after all of a batch's rows are merged (a large batch is merged in several runs of
+        `merge_statements`, in log order per partition, not in time order across them)."""
+        return []
+
     def merge_sql(self, target: str, rows: str) -> str:
         """Merge a batch's rows (`rows`: the name of a JSON array parameter, one object per
         row, any number per key) into `target` (this table or its shadow)."""

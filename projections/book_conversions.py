@@ -115,6 +115,10 @@ class Conversions(Output):
         within = _seconds(self.within)
         day = "(at AT TIME ZONE 'UTC')::date"
         return [
+            # The newest event time of the whole batch, for `prune_statements`.
+            f"""
+SELECT set_config('{_newest(suffix)}', greatest({_newest_sql(suffix)},
+    (SELECT max(at) FROM {batch}))::text, true)""",
             f"""
 INSERT INTO {orders} (order_id, book_id, customer_id, at)
 SELECT id, book_id, customer_id, at FROM {batch} WHERE kind = 'order'
@@ -150,14 +154,29 @@ WITH new AS (
 UPDATE {t} AS t SET converted_views = t.converted_views + c.n
 FROM (SELECT book_id, {day} AS day, count(*) AS n FROM converted GROUP BY 1, 2) c
 WHERE t.book_id = c.book_id AND t.day = c.day""",
-            f"""
-WITH newest AS (SELECT max(at) AS at FROM {batch})
-DELETE FROM {orders} WHERE at < (SELECT at FROM newest) - {_seconds(self.lateness + MARGIN)}""",
-            f"""
-WITH newest AS (SELECT max(at) AS at FROM {batch})
-DELETE FROM {views}
-WHERE at < (SELECT at FROM newest) - {_seconds(self.lateness + self.within + MARGIN)}""",
         ]
+
+    def prune_statements(self, suffix: str) -> list[str]:
+        views, orders, newest = (
+            f"conversion_views{suffix}",
+            f"conversion_orders{suffix}",
+            _newest_sql(suffix),
+        )
+        return [
+            f"DELETE FROM {orders} WHERE at < {newest} - {_seconds(self.lateness + MARGIN)}",
+            f"DELETE FROM {views} "
+            f"WHERE at < {newest} - {_seconds(self.lateness + self.within + MARGIN)}",
+        ]
+
+
+def _newest(suffix: str) -> str:
+    """The setting that holds the newest event time of the batch being merged (transaction
+    scoped: each batch's transaction starts without it)."""
+    return f"logfold.conversions_newest{suffix}"
+
+
+def _newest_sql(suffix: str) -> str:
+    return f"nullif(current_setting('{_newest(suffix)}', true), '')::timestamptz"
 
 
 conversions = Conversions(

@@ -200,6 +200,8 @@ def merge_share(
         ]
         for chunk in _chunks(arrays):
             merge_json(conn, o, "[" + ",".join(a[1:-1] for a in chunk) + "]", suffix)
+        for statement in o.prune_statements(suffix):
+            conn.execute(statement)
         if o.late:
             late += len(arrays)
     return late

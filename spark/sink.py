@@ -208,6 +208,8 @@ def merge_output(
     ]
     if found:
         merge_json(conn, output, "[" + ",".join(found) + "]", suffix)
+        for statement in output.prune_statements(suffix):
+            conn.execute(statement)
     return len(found)
 
 

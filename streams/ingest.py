@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class Unavailable(Exception):
-    """Kafka did not commit the request's records; a retry with the same ids is harmless."""
+    """Kafka did not commit the request's records, and will not: the transaction failed before
+    its commit was asked for, so the next producer's `init_transactions` aborts it."""
+
+
+class Unknown(Exception):
+    """The commit was asked for but not acknowledged in time: the records may be committed or
+    not (a broker that got the request completes it). A retry with the same ids is harmless."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ class Ingestion:
         return self._producer
 
     def append(self, stream: Stream, records: list[FactRecord]) -> None:
-        """Commit every record or raise Unavailable (then none is visible to readers)."""
+        """Commit every record, or raise Unavailable (none is, or will be, visible to
+        readers) or Unknown (the commit's outcome is not known yet)."""
         topic = self.topics.stream(stream.name)
         n = self.settings.partitions
         with self._lock:
@@ -95,10 +102,14 @@ class Ingestion:
                         timestamp_ms=round(datetime.fromisoformat(r.received_at).timestamp() * 1e3),
                     )
                 producer.flush(timeout=self.settings.kafka_timeout_s)
-                self._commit(producer)
             except Exception as e:
                 self._discard()
                 raise Unavailable(str(e)) from e
+            try:
+                self._commit(producer)
+            except Exception as e:
+                self._discard()
+                raise Unknown(str(e)) from e
 
     def _commit(self, producer: KafkaProducer) -> None:
         """`commit_transaction()`, bounded: kafka-python's waits for the broker without limit."""

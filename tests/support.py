@@ -82,11 +82,13 @@ def append_events(
     aggregate_id: str,
     *events: tuple[int, DomainEvent, str],
     transactional: bool = True,
+    logged_at: datetime | None = None,
 ) -> None:
     """Write (version, event, occurred_at ISO) straight into the log, as the processor would
     (in a transaction, so the log's offsets and markers are as the read side expects them): for
     tests that need events the domain would not produce now (old or late ones).
-    `transactional=False`: one offset a record, no markers (for tests that count offsets)."""
+    `transactional=False`: one offset a record, no markers (for tests that count offsets).
+    `logged_at`: the records' log time (Kafka timestamp), now by default."""
     producer = KafkaProducer(
         bootstrap_servers=settings.kafka(),
         transactional_id=f"test-{uuid.uuid4()}" if transactional else None,
@@ -112,6 +114,7 @@ def append_events(
             key=f"{aggregate_id}:{version}".encode(),
             value=encode(envelope),
             partition=partition_for(aggregate_id, settings.partitions),
+            timestamp_ms=None if logged_at is None else round(logged_at.timestamp() * 1e3),
         )
     if transactional:
         producer.commit_transaction()

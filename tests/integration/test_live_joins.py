@@ -368,3 +368,74 @@ def test_a_session_merge_reaches_a_subscriber_as_a_delete_and_a_change(stack: St
     )
     changes = [m for m in client.of("s") if m["type"] == "change"]
     assert [m["op"] for m in changes][-2:] in (["delete", "upsert"], ["upsert", "delete"])
+
+
+def test_every_view_over_a_stream_reaches_its_subscribers(stack: Stack) -> None:
+    """A page view, then an order of that book by that customer, paid: a subscriber of each
+    view over event time (hopping windows, the stream-stream join, the temporal join) gets its
+    rows pushed."""
+    author = f"Author {uuid.uuid4().hex[:6]}"
+    stack.sql(
+        "INSERT INTO author_profiles (author, bio, payout_account) VALUES (%s, 'Wrote.', 'acct-9')",
+        author,
+    )
+    customer = stack.command("register-customer", {"name": "Reader", "email": "r@example.com"})
+    book = stack.command(
+        "add-book", {"title": "T", "author": author, "price_cents": 700, "royalty_rate": 0.1}
+    )
+    client = stack.client()
+    _subscribed(client, "trending", "trending_books", {"book_id": book})
+    _subscribed(client, "conversions", "book_conversions", {"book_id": book})
+    _subscribed(client, "payouts", "royalty_payouts", {"author": author})
+
+    r = stack.api.session.post(
+        f"{stack.url}/streams/page_views/records",
+        json={
+            "records": [
+                {
+                    "id": f"pv-{uuid.uuid4().hex}",
+                    "occurred_at": (datetime.now(UTC) - timedelta(minutes=1)).isoformat(),
+                    "data": {"customer_id": customer, "book_id": book},
+                }
+            ]
+        },
+        headers={"Authorization": f"Bearer {token('streams:write')}"},
+    )
+    assert r.status_code == 202, r.text
+    order = stack.command(
+        "place-order", {"customer_id": customer, "lines": [{"book_id": book, "quantity": 2}]}
+    )
+    paid = stack.api.command("pay-order", {"amount_cents": 1400}, aggregate_id=order)
+    assert paid.status == 201, paid.body
+
+    client.wait_for(
+        lambda: (
+            len(fold(client.of("trending"), "window_start")) == 24
+            and all(r["views"] == 1 for r in fold(client.of("trending"), "window_start").values())
+        ),
+        "the page view in 24 hopping windows",
+        PIPELINE_S,
+    )
+    client.wait_for(
+        lambda: (
+            [
+                (r["views"], r["converted_views"])
+                for r in fold(client.of("conversions"), "day").values()
+            ]
+            == [(1, 1)]
+        ),
+        "a converted view",
+        PIPELINE_S,
+    )
+    client.wait_for(
+        lambda: (
+            [
+                (r["order_id"], r["payout_account"])
+                for r in fold(client.of("payouts"), "order_id").values()
+            ]
+            == [(order, "acct-9")]
+        ),
+        "the payout with the account of its time",
+        PIPELINE_S,
+    )
+    client.close()

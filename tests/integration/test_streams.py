@@ -4,6 +4,8 @@ committed in Kafka; a rejected request writes nothing. Real Kafka, the app in pr
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,6 +14,8 @@ from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from app import close_app, create_app
 from events.partitioning import partition_for
@@ -21,6 +25,7 @@ from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics, create_topics
+from streams.ingest import Ingestion
 from tests.support import token
 
 pytestmark = pytest.mark.integration
@@ -52,6 +57,32 @@ def post(client: FlaskClient, records: list[dict[str, Any]], **headers: str) -> 
 
 def page_views(settings: Settings) -> list[Any]:
     return list(read_to_end(settings.kafka(), Topics(settings.topic_prefix).stream("page_views")))
+
+
+def every_page_view_record(settings: Settings) -> list[Any]:
+    """The stream's records as they are in the log, those of open and aborted transactions too
+    (`read_uncommitted`)."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka(),
+        isolation_level="read_uncommitted",
+        enable_auto_commit=False,
+        metrics_enabled=False,
+    )
+    try:
+        topic = Topics(settings.topic_prefix).stream("page_views")
+        tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        found: list[Any] = []
+        deadline = time.monotonic() + 30
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            assert time.monotonic() < deadline, "could not read the stream to its end"
+            for records in consumer.poll(timeout_ms=200).values():
+                found += records
+        return found
+    finally:
+        consumer.close()
 
 
 def test_a_request_is_committed_whole_and_answered_202(
@@ -213,4 +244,88 @@ def test_kafka_down_gives_503_writes_nothing_and_recovers(
         assert during["id"] not in ids
         assert ids.count(after["id"]) == 1
     finally:
+        close_app(app)
+
+
+def test_a_request_that_fails_part_way_leaves_none_of_its_records_visible(
+    deployment: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(deployment)
+    client = app.test_client()
+    ingestion: Ingestion = app.extensions["logfold.ingestion"]
+    try:
+        assert post(client, [view("cust-first")]).status_code == 202
+        producer = ingestion._get_producer()
+        real_send, sent = producer.send, []
+
+        def send_two_then_fail(*args: Any, **kwargs: Any) -> Any:
+            if len(sent) == 2:
+                producer.flush()  # the first two are in the log, in the open transaction
+                raise KafkaTimeoutError("injected: the third record could not be sent")
+            sent.append(real_send(*args, **kwargs))
+            return sent[-1]
+
+        monkeypatch.setattr(producer, "send", send_two_then_fail)
+        customer = f"cust-{uuid.uuid4().hex[:8]}"
+        records = [view(customer, f"book-{i}") for i in range(3)]
+        r = post(client, records)
+        assert r.status_code == 503, r.json
+        assert r.json["error"]["code"] == "unavailable"
+
+        after = view(customer)  # a new producer, which aborts the failed one's transaction
+        assert post(client, [after]).status_code == 202
+        ids = {rec["id"] for rec in records}
+        in_log = [rec.key.decode() for rec in every_page_view_record(deployment)]
+        assert len(ids & set(in_log)) == 2  # the first two did reach Kafka...
+        visible = [rec.key.decode() for rec in page_views(deployment)]
+        assert not ids & set(visible)  # ...and no reader of committed records sees them
+        assert after["id"] in visible
+    finally:
+        close_app(app)
+
+
+def test_a_commit_kafka_does_not_acknowledge_is_504_not_503(
+    own_broker: LocalKafka, base_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the commit is asked for, the client cannot tell whether it happened: the answer
+    says so (`504`), where `503` would promise that nothing was written."""
+    settings = base_settings.model_copy(
+        update={"kafka_bootstrap_servers": own_broker.bootstrap, "kafka_timeout_s": 2.0}
+    )
+    create_topics(settings)
+    app = create_app(settings)
+    client = app.test_client()
+    broker = own_broker.proc
+    assert broker is not None
+    real_commit = Ingestion._commit
+
+    def commit_to_a_paused_broker(self: Ingestion, producer: Any) -> None:
+        os.kill(broker.pid, signal.SIGSTOP)
+        real_commit(self, producer)
+
+    try:
+        assert post(client, [view("cust-before")]).status_code == 202
+        monkeypatch.setattr(Ingestion, "_commit", commit_to_a_paused_broker)
+        record = view("cust-unknown")
+        started = time.monotonic()
+        r = post(client, [record])
+        assert r.status_code == 504, r.json
+        assert r.json["error"]["code"] == "timeout"
+        assert "may or may not" in r.json["error"]["message"]
+        assert time.monotonic() - started < 30
+        os.kill(broker.pid, signal.SIGCONT)
+        monkeypatch.setattr(Ingestion, "_commit", real_commit)
+
+        answers: list[int] = []
+
+        def retried() -> bool:
+            answers.append(post(client, [record]).status_code)
+            return answers[-1] == 202
+
+        wait_until(retried, 120, "the retry to be accepted", interval=0.5)
+        assert set(answers) <= {202, 503, 504}, answers
+        ids = [r.key.decode() for r in page_views(settings)]
+        assert 1 <= ids.count(record["id"]) <= 2  # views count an id once either way
+    finally:
+        os.kill(broker.pid, signal.SIGCONT)
         close_app(app)
