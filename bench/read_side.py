@@ -615,11 +615,11 @@ def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
         def batch(first: int | None) -> Any:
             """Records 0..first of partition 0 of every topic, or the whole log."""
             if first is not None:
-                return every_event(
-                    parse_events(assigned(kafka_options(settings.kafka()), [0], first))
+                return sink.with_rows(
+                    every_event(parse_events(assigned(kafka_options(settings.kafka()), [0], first)))
                 )
             whole = read_batch(spark, settings.kafka(), topics, "earliest", "latest")
-            return every_event(parse_events(whole))
+            return sink.with_rows(every_event(parse_events(whole)))
 
         def seconds(frame: Any) -> float:
             t = time.perf_counter()

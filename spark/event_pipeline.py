@@ -82,12 +82,13 @@ def position() -> list[Column]:
 
 TOPIC, PARTITION, OFFSET, CURRENT, ID, LOG_US, DELAY_US = range(7)
 POSITION = 7  # columns
+POSITION_NAMES = ("topic", "partition", "offset", "current", "event_id", "log_us", "delay_us")
 
 
 def rows_json(output: Output) -> Column:
     """The rows one event adds to `output`, as a JSON array (`[]` for none); null for an event
     at an older schema version (`_upcast` replaces those). `output.rows()` appears once: Spark
-    analyses and optimises these expressions every batch, at a cost that grows with their size."""
+    optimises these expressions every batch, at a cost that grows with their size."""
     return F.when(F.col("current"), F.to_json(output.rows(), {"timestampFormat": WIRE_TIME}))
 
 
@@ -278,6 +279,10 @@ class EventSink:
             p.name: [rows_json(o).alias(f"{p.name}.{o.name}") for o in p.outputs]
             for p in self.projections
         }
+        # The same, as the names `with_rows` gives them in the query's plan.
+        self.names = {
+            p.name: [F.col(f"`{p.name}.{o.name}`") for o in p.outputs] for p in self.projections
+        }
         self.failed: dict[str, str] = {}
         self.timings: dict[str, float] = {}  # of the last batch, by stage
         self.codegen = BatchCodegen()
@@ -301,13 +306,21 @@ class EventSink:
         self.timings["spark"] = time.perf_counter() - started
         self._apply(rows, errors, batch_id)
 
+    def with_rows(self, events: DataFrame) -> DataFrame:
+        """`events` (`every_event`) with the position columns and every output's rows (as
+        `_collect` reads them). In the streaming query's plan, Spark analyses these large
+        expressions once, when the query starts, instead of once per batch (where a `select`
+        in `foreachBatch` would put them); a batch then only optimises its plan."""
+        columns = [c for p in self.projections for c in self.columns[p.name]]
+        return events.select("*", *position()[LOG_US:], *columns)
+
     def warm(self, spark: SparkSession, rounds: int = 3) -> None:
         """Run the batch job on made-up events of every type, writing nothing: the first
         batches of a fresh JVM pay for code generation and JIT compilation, and without
         this the first command after a start would wait for it."""
         started = time.perf_counter()
         try:
-            sample = spark.createDataFrame(sample_events(), EVENT_COLUMNS)
+            sample = self.with_rows(spark.createDataFrame(sample_events(), EVENT_COLUMNS))
             for _ in range(rounds):
                 self._collect(sample, self.active)
         except Exception as e:  # the real batches will say which projection fails, and how
@@ -317,12 +330,13 @@ class EventSink:
     def _collect(
         self, batch: DataFrame, projections: list[Projection]
     ) -> tuple[list[Any], dict[str, str]]:
-        """The batch's rows: position, then every output's rows (in projection order). If
-        that fails, each projection's on its own, to find the ones that fail: their columns
-        are None and their errors returned."""
-        columns = [c for p in projections for c in self.columns[p.name]]
+        """The batch's rows (`with_rows`): position, then every output's rows (in projection
+        order). If that fails, each projection's on its own (Spark leaves out the others'
+        columns), to find the ones that fail: their columns are None and their errors
+        returned."""
+        columns = [c for p in projections for c in self.names[p.name]]
         try:
-            return batch.select(*position(), *columns).collect(), {}
+            return batch.select(*POSITION_NAMES, *columns).collect(), {}
         except Exception as e:
             if len(projections) <= 1:
                 raise
@@ -331,7 +345,7 @@ class EventSink:
         errors: dict[str, str] = {}
         for p in projections:
             try:
-                parts.append(batch.select(*position(), *self.columns[p.name]).collect())
+                parts.append(batch.select(*POSITION_NAMES, *self.names[p.name]).collect())
             except Exception as e:
                 errors[p.name] = first_line(e)
                 parts.append([])
@@ -458,7 +472,7 @@ class EventPipeline:
         )
         idle_poll(self.spark, self.settings.spark_idle_poll_ms)
         query = (
-            every_event(parse_events(records, self.stream_names()))
+            self.sink.with_rows(every_event(parse_events(records, self.stream_names())))
             .writeStream.foreachBatch(self.sink)
             .queryName(QUERY)
             # A fresh checkpoint per start, or Spark would resume from its own offsets.

@@ -150,6 +150,7 @@ def test_replaying_already_applied_events_changes_nothing(
         parse_events(read_batch(spark, deployment.kafka(), names, "earliest", "latest"))
     )
     sink = EventSink(list(PROJECTIONS.values()), deployment)
+    log = sink.with_rows(log)
     try:
         sink(log, 0)
     finally:
