@@ -623,7 +623,7 @@ def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
 
         def seconds(frame: Any) -> float:
             t = time.perf_counter()
-            rows, errors = sink._collect(frame, sink.projections)
+            rows, errors = sink._collect(frame, sink.projections, lambda: frame)
             assert rows and not errors, errors
             return time.perf_counter() - t
 

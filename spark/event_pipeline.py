@@ -29,9 +29,10 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -41,7 +42,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from events.catalog import EVENTS_BY_AGGREGATE
 from projections.base import Offsets, Output, Projection
-from spark.decode import every_event, kafka_options, parse_events, upcast
+from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
 from spark.session import BatchCodegen, codegen, idle_poll
 from spark.sink import (
@@ -289,6 +290,7 @@ class EventSink:
         self.last_batch = 0  # records
         self.db = Reconnecting(settings.database())
         self.gaps = Gaps(settings.kafka(), settings.kafka_timeout_s)
+        self.records: BatchRecords | None = None  # set by the pipeline that runs it
 
     @property
     def active(self) -> list[Projection]:
@@ -297,7 +299,9 @@ class EventSink:
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
         self.codegen.fit(batch.sparkSession, self.last_batch)
-        rows, errors = self._collect(batch, self.active)
+        assert self.records is not None, "the pipeline sets where its batches can be read again"
+        records = self.records
+        rows, errors = self._collect(batch, self.active, lambda: records(batch_id))
         self.last_batch = len(rows)
         if not rows:
             return
@@ -320,20 +324,21 @@ class EventSink:
         this the first command after a start would wait for it."""
         started = time.perf_counter()
         try:
-            sample = self.with_rows(spark.createDataFrame(sample_events(), EVENT_COLUMNS))
+            sample = spark.createDataFrame(sample_events(), EVENT_COLUMNS)
             for _ in range(rounds):
-                self._collect(sample, self.active)
+                self._collect(self.with_rows(sample), self.active, lambda: sample)
         except Exception as e:  # the real batches will say which projection fails, and how
             log.warning("warm-up failed: %s", first_line(e))
         log.info("warmed up in %.1f s", time.perf_counter() - started)
 
     def _collect(
-        self, batch: DataFrame, projections: list[Projection]
+        self, batch: DataFrame, projections: list[Projection], events: Callable[[], DataFrame]
     ) -> tuple[list[Any], dict[str, str]]:
         """The batch's rows (`with_rows`): position, then every output's rows (in projection
-        order). If that fails, each projection's on its own (Spark leaves out the others'
-        columns), to find the ones that fail: their columns are None and their errors
-        returned."""
+        order). If that fails, each projection's on its own, from the same records without
+        the rows columns (`events()`, as `every_event` gives them: the batch Spark hands to
+        `foreachBatch` computes every column, the failing ones too), to find the ones that
+        fail: their columns are None and their errors returned."""
         columns = [c for p in projections for c in self.names[p.name]]
         try:
             return batch.select(*POSITION_NAMES, *columns).collect(), {}
@@ -341,11 +346,12 @@ class EventSink:
             if len(projections) <= 1:
                 raise
             log.warning("a projection's rows failed (%s); collecting each alone", first_line(e))
+        alone = events()
         parts: list[list[Any]] = []
         errors: dict[str, str] = {}
         for p in projections:
             try:
-                parts.append(batch.select(*POSITION_NAMES, *self.names[p.name]).collect())
+                parts.append(alone.select(*position(), *self.columns[p.name]).collect())
             except Exception as e:
                 errors[p.name] = first_line(e)
                 parts.append([])
@@ -408,6 +414,33 @@ class EventSink:
         self.failed[name] = error
 
 
+@dataclass(frozen=True)
+class BatchRecords:
+    """A micro-batch's records read again from Kafka, as `every_event` gives them: from the
+    end offsets Spark logged for the batch before running it (`offsets/<batch id>` in the
+    query's checkpoint) back to the previous batch's (or the query's starting offsets)."""
+
+    spark: SparkSession
+    bootstrap: str
+    topics: list[str]
+    streams: dict[str, str]
+    checkpoint: Path
+    starting: str  # the query's startingOffsets
+
+    def __call__(self, batch_id: int) -> DataFrame:
+        before = self.checkpoint / "offsets" / str(batch_id - 1)
+        starting = _logged_offsets(before) if before.exists() else self.starting
+        ending = _logged_offsets(self.checkpoint / "offsets" / str(batch_id))
+        raw = read_batch(self.spark, self.bootstrap, self.topics, starting, ending)
+        return every_event(parse_events(raw, self.streams))
+
+
+def _logged_offsets(path: Path) -> str:
+    """The source's offsets in a file of a checkpoint's offset log (Spark's `OffsetSeq`: a
+    version line, a metadata line, then one line per source; the pipeline has one)."""
+    return path.read_text().splitlines()[2]
+
+
 class EventPipeline:
     """Runs the live event pipeline of `projections` (see the module's docstring)."""
 
@@ -462,21 +495,31 @@ class EventPipeline:
             for name in names:
                 ensure_progress(conn, name)
             mark_started(conn, names)  # a failed projection is given another chance
+        starting = self.starting_offsets()
         records = (
             self.spark.readStream.format("kafka")
             .options(**kafka_options(self.settings.kafka()))
             .option("subscribe", ",".join(self.topic_names()))
-            .option("startingOffsets", self.starting_offsets())
+            .option("startingOffsets", starting)
             .option("maxOffsetsPerTrigger", MAX_RECORDS_PER_BATCH)
             .load()
         )
         idle_poll(self.spark, self.settings.spark_idle_poll_ms)
+        # A fresh checkpoint per start, or Spark would resume from its own offsets.
+        checkpoint = tempfile.mkdtemp(dir=self.scratch)
+        self.sink.records = BatchRecords(
+            self.spark,
+            self.settings.kafka(),
+            self.topic_names(),
+            self.stream_names(),
+            Path(checkpoint),
+            starting,
+        )
         query = (
             self.sink.with_rows(every_event(parse_events(records, self.stream_names())))
             .writeStream.foreachBatch(self.sink)
             .queryName(QUERY)
-            # A fresh checkpoint per start, or Spark would resume from its own offsets.
-            .option("checkpointLocation", tempfile.mkdtemp(dir=self.scratch))
+            .option("checkpointLocation", checkpoint)
             .start()
         )
         return query

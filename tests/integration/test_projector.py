@@ -150,6 +150,8 @@ def test_replaying_already_applied_events_changes_nothing(
         parse_events(read_batch(spark, deployment.kafka(), names, "earliest", "latest"))
     )
     sink = EventSink(list(PROJECTIONS.values()), deployment)
+    records = log
+    sink.records = lambda _: records
     log = sink.with_rows(log)
     try:
         sink(log, 0)

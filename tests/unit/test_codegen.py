@@ -36,13 +36,14 @@ def test_small_batches_are_interpreted_and_large_ones_compiled(spark: SparkSessi
 def test_every_view_gets_the_same_rows_interpreted_and_compiled(spark: SparkSession) -> None:
     settings = Settings(database_url="postgresql://unused/db", kafka_bootstrap_servers="unused:1")
     sink = EventSink(list(PROJECTIONS.values()), settings)
-    batch = sink.with_rows(spark.createDataFrame(sample_events(), EVENT_COLUMNS))
+    events = spark.createDataFrame(sample_events(), EVENT_COLUMNS)
+    batch = sink.with_rows(events)
     try:
         codegen(spark, True)
-        compiled, errors = sink._collect(batch, sink.projections)
+        compiled, errors = sink._collect(batch, sink.projections, lambda: events)
         assert not errors
         codegen(spark, False)
-        interpreted, errors = sink._collect(batch, sink.projections)
+        interpreted, errors = sink._collect(batch, sink.projections, lambda: events)
         assert not errors
     finally:
         codegen(spark, True)
