@@ -408,33 +408,22 @@ def test_every_view_over_a_stream_reaches_its_subscribers(stack: Stack) -> None:
     paid = stack.api.command("pay-order", {"amount_cents": 1400}, aggregate_id=order)
     assert paid.status == 201, paid.body
 
+    def held(sub: str, key: str, *columns: str) -> list[tuple[Any, ...]]:
+        """The rows the client holds for `sub`, as tuples of `columns`."""
+        return [tuple(r[c] for c in columns) for r in fold(client.of(sub), key).values()]
+
     client.wait_for(
-        lambda: (
-            len(fold(client.of("trending"), "window_start")) == 24
-            and all(r["views"] == 1 for r in fold(client.of("trending"), "window_start").values())
-        ),
+        lambda: held("trending", "window_start", "views") == [(1,)] * 24,
         "the page view in 24 hopping windows",
         PIPELINE_S,
     )
     client.wait_for(
-        lambda: (
-            [
-                (r["views"], r["converted_views"])
-                for r in fold(client.of("conversions"), "day").values()
-            ]
-            == [(1, 1)]
-        ),
+        lambda: held("conversions", "day", "views", "converted_views") == [(1, 1)],
         "a converted view",
         PIPELINE_S,
     )
     client.wait_for(
-        lambda: (
-            [
-                (r["order_id"], r["payout_account"])
-                for r in fold(client.of("payouts"), "order_id").values()
-            ]
-            == [(order, "acct-9")]
-        ),
+        lambda: held("payouts", "order_id", "order_id", "payout_account") == [(order, "acct-9")],
         "the payout with the account of its time",
         PIPELINE_S,
     )
