@@ -20,7 +20,7 @@ from kafka.errors import KafkaTimeoutError
 from app import close_app, create_app
 from events.partitioning import partition_for
 from events.serialization import loads
-from events.store import read_to_end
+from events.store import drain, read_to_end
 from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
 from stack.settings import Settings
@@ -73,14 +73,7 @@ def every_page_view_record(settings: Settings) -> list[Any]:
         tps = [TopicPartition(topic, p) for p in range(settings.partitions)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
-        end = consumer.end_offsets(tps)
-        found: list[Any] = []
-        deadline = time.monotonic() + 30
-        while any(consumer.position(tp) < end[tp] for tp in tps):
-            assert time.monotonic() < deadline, "could not read the stream to its end"
-            for records in consumer.poll(timeout_ms=200).values():
-                found += records
-        return found
+        return list(drain(consumer, tps, 30))
     finally:
         consumer.close()
 
