@@ -55,6 +55,7 @@ from spark.sink import (
     merge_json,
     read_progress,
     save_progress,
+    unapplied,
 )
 from stack.settings import Settings
 from stack.topics import Topics
@@ -115,14 +116,21 @@ def share_of(
     rows: list[Any],
     first: int,
     offsets: Offsets,
+    passed: dict[str, tuple[int, int, int]] | None = None,
 ) -> Share | None:
     """The rows of `p`'s outputs (row columns from `first`, one per output) of the records
     of `reads` ("topic:partition") after its offsets, with its watermark applied; records of
-    the topics `streams` are counted once by id (`merge_share`)."""
+    the topics `streams` are counted once by id (`merge_share`). `passed`: records left out of
+    `rows` because they add nothing, per "topic:partition" their number and first and last
+    offsets (all of `reads`, after the offsets, on time, not of `streams`, without rows)."""
     found: dict[str, list[str]] = {o.name: [] for o in p.outputs}
     last: dict[str, int] = {}
     starts: dict[str, int] = {}
     count = late = 0
+    for key, (n, lo, hi) in (passed or {}).items():
+        count += n
+        last[key] = max(last.get(key, -1), hi)
+        starts[key] = min(starts.get(key, lo), lo)
     records: list[tuple[str, int, list[str | None]]] = []
     lateness = int(p.lateness.total_seconds() * 1e6) if p.lateness is not None else None
     for row in rows:
@@ -162,17 +170,41 @@ def replay(
     suffix: str,
     settings: Settings,
 ) -> tuple[Offsets, int, int]:
-    """Merge the records of `events` (`every_event` of a batch read) after `offsets` into `p`'s
-    tables (+ `suffix`) exactly as the live pipeline does. Returns the new offsets, the number
-    of records applied and of late records. The caller commits."""
+    """Merge the records of `events` (`every_event` of a batch read, or any frame with its
+    columns) after `offsets` into `p`'s tables (+ `suffix`) exactly as the live pipeline does.
+    Returns the new offsets, the number of records applied and of late records. The caller
+    commits.
+
+    Made for whole logs (a rebuild): only the records that add something travel to Python (in
+    Arrow batches); the others, which only move the offsets, are counted in Spark."""
     topics = Topics(settings.topic_prefix)
     columns = [rows_json(o).alias(o.name) for o in p.outputs]
-    rows = events.select(*position(), *columns).collect()
-    if any(not r[CURRENT] for r in rows):
-        rows = upcast_rows(events, rows, columns)
     reads = frozenset(p.reads(topics, settings.partitions))
     streams = frozenset(topics.stream(s) for s in p.streams)
-    share = share_of(p, reads, streams, rows, POSITION, offsets)
+    mine = unapplied(events.where(F.col("topic").isin(*p.topic_names(topics))), offsets)
+    selected = mine.select(*position(), *columns)
+    adds = ~F.col("current") | F.col("topic").isin(*streams)
+    if p.lateness is not None:
+        adds |= F.col("delay_us") > int(p.lateness.total_seconds() * 1e6)
+    for o in p.outputs:
+        adds |= F.col(o.name) != "[]"
+    adds = F.coalesce(adds, F.lit(True))  # a record it cannot tell about goes to Python
+    table = selected.where(adds).toArrow()
+    rows: list[Any] = list(zip(*(c.to_pylist() for c in table.columns), strict=True))
+    if any(not r[CURRENT] for r in rows):
+        rows = upcast_rows(mine, rows, columns)
+    passed = {
+        f"{r['topic']}:{r['partition']}": (int(r["n"]), int(r["first"]), int(r["last"]))
+        for r in selected.where(~adds)
+        .groupBy("topic", "partition")
+        .agg(
+            F.count("*").alias("n"),
+            F.min("offset").alias("first"),
+            F.max("offset").alias("last"),
+        )
+        .collect()
+    }
+    share = share_of(p, reads, streams, rows, POSITION, offsets, passed)
     if share is None:
         return offsets, 0, 0
     late = merge_share(conn, p, share, suffix, keep_ids(p, settings))

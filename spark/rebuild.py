@@ -3,6 +3,9 @@
 1. Read every committed event of the projections' topics once (a Spark batch up to the current
    end offsets, decoded once and cached), fold it into each output's rows by the output's own
    rules (`Output.transform`), and bulk-load them (COPY) into shadow tables `<table>__rebuild`.
+   A projection whose rows combine only in Postgres, or that counts stream records once
+   (`Projection.replayed`), is merged from the same read into its shadows by the live
+   pipeline's merge instead.
 2. Catch each shadow up, in batches, to whatever the live projector has applied meanwhile.
 Then, for each projection:
 3. Holding the projection's progress lock (live batches wait): apply the last few events,
@@ -108,42 +111,15 @@ class Rebuild:
         """Rebuild `projections` from one read of their topics (see the module's docstring)."""
         if not projections:
             return []
-        replayed = [p for p in projections if p.replayed]
-        folded = [p for p in projections if not p.replayed]
-        reports = {r.projection: r for r in self._fold_many(folded, verify, progress)}
-        for p in replayed:
-            reports[p.name] = self._replay(p, verify, progress)
-        return [reports[p.name] for p in projections]
-
-    def _replay(self, projection: Projection, verify: bool, progress: bool) -> Report:
-        """Rebuild `projection` by replaying its whole log through the live pipeline's merge
-        into its shadows (`Projection.replayed`), then catch up and swap as a fold does."""
-        started = time.monotonic()
-        self._create_shadows([projection])
-        bar = tqdm(total=1, unit="pass", desc=f"rebuild {projection.name}", disable=not progress)
-        with bar, psycopg.connect(self.url) as conn, conn.transaction():
-            events = self._read(projection, "earliest", "latest")
-            covered, count, _ = self._apply(conn, projection, events, {}, SHADOW)
-            bar.update(1)
-        covered = self._catch_up(projection, covered)
-        report = self._swap(projection, covered, verify)
-        report.events = count
-        report.seconds = time.monotonic() - started
-        return report
-
-    def _fold_many(
-        self, projections: list[Projection], verify: bool, progress: bool
-    ) -> list[Report]:
-        if not projections:
-            return []
         started = time.monotonic()
         names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
-        parsed = parse_events(raw).persist()
-        reports = []
+        parsed = parse_events(raw, self._streams(projections)).persist()
+        covered: dict[str, dict[str, int]] = {}
         try:
             old = parsed.where(~F.col("current")).count()  # reads the log, once, into the cache
-            events = events_of(parsed, upcast=old > 0).persist()
+            # Every record decoded at its type's current version (the replay's `current`).
+            events = events_of(parsed, upcast=old > 0).withColumn("current", F.lit(True)).persist()
             try:
                 seen, _ = last_offsets(events)  # fills the events' cache
                 parsed.unpersist()
@@ -156,8 +132,15 @@ class Rebuild:
                 with bar:
                     for p in projections:
                         mine = events.where(F.col("topic").isin(self._names(p)))
+                        if p.replayed:
+                            with psycopg.connect(self.url) as conn, conn.transaction():
+                                covered[p.name], _, _ = self._apply(conn, p, mine, {}, SHADOW)
+                            bar.update(shares[p.name] * len(p.outputs))
+                            continue
                         for output in p.outputs:
                             self._bulk_load(output, mine, bar, shares[p.name])
+                        reads = set(p.reads(self.topics, self.settings.partitions))
+                        covered[p.name] = {k: v for k, v in seen.items() if k in reads}
                     bar.n = total
                     bar.refresh()
             finally:
@@ -165,11 +148,10 @@ class Rebuild:
         finally:
             parsed.unpersist()
         loaded = time.monotonic()
+        reports = []
         for p in projections:
             t0 = time.monotonic()
-            reads = set(p.reads(self.topics, self.settings.partitions))
-            covered = self._catch_up(p, {k: v for k, v in seen.items() if k in reads})
-            report = self._swap(p, covered, verify)
+            report = self._swap(p, self._catch_up(p, covered[p.name]), verify)
             report.events = shares[p.name]
             # The shared read and load are split between projections by their events.
             part = shares[p.name] / max(sum(shares.values()), 1)
