@@ -12,7 +12,8 @@ Then, for each projection:
    optionally compare live and shadow row for row, then make the live table equal to the shadow
    by writing only the rows that differ (usually none), all in one transaction: readers see the
    old rows until the commit, and CDC sees each real change, so changelogs, joined views and
-   websocket subscribers follow. Other projections are not touched.
+   websocket subscribers follow. Other projections are not touched. (A live view no projector
+   has ever applied anything to is simply replaced: its rows and progress become the shadow's.)
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class Rebuild:
         reports = []
         for p in projections:
             t0 = time.monotonic()
-            report = self._swap(p, self._catch_up(p, covered[p.name]), verify)
+            report = self._swap(p, self._catch_up(p, covered[p.name]), verify, shares[p.name])
             report.events = shares[p.name]
             # The shared read and load are split between projections by their events.
             part = shares[p.name] / max(sum(shares.values()), 1)
@@ -199,7 +200,11 @@ class Rebuild:
                 covered, _, _ = self._apply(conn, projection, batch, covered, SHADOW)
         return covered
 
-    def _swap(self, projection: Projection, covered: dict[str, int], verify: bool) -> Report:
+    def _swap(
+        self, projection: Projection, covered: dict[str, int], verify: bool, loaded: int
+    ) -> Report:
+        """Make the live view equal to the shadow, whose first `loaded` events were read at
+        once (the rest in catch-up batches)."""
         report = Report(projection.name, 0, 0.0)
         with psycopg.connect(self.url) as conn, conn.transaction():
             live = lock_progress(conn, projection.name)  # live batches wait from here
@@ -211,7 +216,13 @@ class Rebuild:
                 covered, _, _ = self._apply(conn, projection, batch, covered, SHADOW)
             behind_shadow = {k: v for k, v in covered.items() if v > live.get(k, -1)}
             applied = late = 0
-            if behind_shadow:
+            if behind_shadow and not live and not verify:
+                # The live view has applied nothing (no projector has run): the shadow replaces
+                # it whole, so applying the log to it first would be work thrown away. It takes
+                # the shadow's counts, which are then all the snapshot's (there was no catch-up).
+                live, applied = covered, loaded
+                late = sum(_count(conn, o.name + SHADOW) for o in projection.outputs if o.late)
+            elif behind_shadow:
                 batch = self._between(projection, live, {**live, **behind_shadow})
                 live, applied, late = self._apply(conn, projection, batch, live)
             if verify:
@@ -220,7 +231,7 @@ class Rebuild:
                 t = output.name
                 replace_contents(conn, t, t + SHADOW, output.key, output.columns)
                 conn.execute(f"DROP TABLE {t}{SHADOW}")
-                report.rows[t] = conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
+                report.rows[t] = _count(conn, t)
                 for state in output.state:
                     key = tuple(str(c.name) for c in state.primary_key.columns)
                     columns = tuple(str(c.name) for c in state.columns)
@@ -235,6 +246,10 @@ class Rebuild:
                 (Jsonb(live), applied, late, projection.name),
             )
         return report
+
+
+def _count(conn: psycopg.Connection[Any], table: str) -> int:
+    return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # type: ignore[index]
 
 
 def _tables(projection: Projection) -> list[str]:

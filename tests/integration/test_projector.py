@@ -8,6 +8,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -15,11 +16,19 @@ import pytest
 from flask.testing import FlaskClient
 
 from app.read_model import ReadModel
-from projections.registry import VIEWS
+from projections.registry import PROJECTIONS, VIEWS
 from stack.procs import wait_until
 from stack.settings import Settings
 from tests.oracle import actual, differences
-from tests.support import Processes, append_events, cli, health_component, token
+from tests.support import (
+    Processes,
+    append_events,
+    cli,
+    health_component,
+    log_of,
+    new_deployment,
+    token,
+)
 from tests.workload import Workload
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -240,6 +249,66 @@ def test_rebuild_all_verify_while_commands_flow(
     with psycopg.connect(deployment.database()) as conn:
         generations = {r[0] for r in conn.execute("SELECT generation FROM projection_progress")}
     assert generations == {1}
+
+
+def test_a_rebuild_before_any_projector_ran_fills_the_views_and_counts_each_event_once(
+    base_settings: Settings, tmp_path: Path
+) -> None:
+    """With no projector ever run, the rebuilt views replace empty live ones whole (the log is
+    not applied to them first): views and progress must come out as the projector's would, so
+    that a projector started afterwards goes on from there and applies nothing twice."""
+    from datetime import UTC, datetime, timedelta
+
+    from events.book import BookAdded
+    from events.customer import CustomerRegistered
+    from events.order import OrderPaid, OrderPlaced, PlacedLine
+
+    settings = new_deployment(base_settings)
+    now = datetime.now(UTC)
+    line = PlacedLine("b-1", 2, 900, "Le Guin", 0.1)
+
+    def at(t: datetime) -> str:
+        return t.isoformat().replace("+00:00", "Z")
+
+    def order(n: int, when: datetime) -> None:
+        placed, paid = OrderPlaced("c-1", (line,), 1800), OrderPaid(1800, (line,))
+        append_events(settings, "order", f"o-{n}", (1, placed, at(when)), (2, paid, at(when)))
+
+    def progress() -> dict[str, tuple[int, int]]:
+        with psycopg.connect(settings.database()) as conn:
+            rows = conn.execute(
+                "SELECT projection, events_applied, late_events FROM projection_progress"
+            )
+            return {r[0]: (r[1], r[2]) for r in rows}
+
+    def events_in_log() -> dict[str, int]:
+        return {
+            p: sum(len(log_of(settings, t)) for t in PROJECTIONS[p].topics) for p in PROJECTIONS
+        }
+
+    customer = CustomerRegistered("Ursula", "ursula@example.com")
+    append_events(settings, "customer", "c-1", (1, customer, at(now)))
+    book = BookAdded("The Dispossessed", "Le Guin", 900, 0.1)
+    append_events(settings, "book", "b-1", (1, book, at(now)))
+    order(1, now)
+    order(2, now - timedelta(hours=3))  # paid past the watermark: late for sales_by_hour
+    out = cli(settings, "rebuild", "--all")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert differences(settings) == {}
+    counted = progress()
+    assert {p: counted[p][0] for p in PROJECTIONS} == events_in_log()
+    assert counted["sales_by_hour"] == (4, 1)
+
+    procs = Processes(settings, tmp_path)
+    procs.projector()
+    try:
+        order(3, now)
+        caught_up(settings, timeout=180)
+        assert differences(settings) == {}
+        assert {p: n for p, (n, _) in progress().items() if p in PROJECTIONS} == events_in_log()
+        assert progress()["sales_by_hour"] == (6, 1)
+    finally:
+        procs.stop()
 
 
 def row_counts(settings: Settings) -> dict[str, int]:
