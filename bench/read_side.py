@@ -574,8 +574,13 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
             results.setdefault("spark_kafka_read_per_s", []).append(n / (time.perf_counter() - t))
             results.setdefault("copy_rows_per_s", []).append(copy_rate(settings, 200_000))
             t = time.perf_counter()
-            job.run_many(list(PROJECTIONS.values()), verify=False, progress=False)
+            reports = job.run_many(list(PROJECTIONS.values()), verify=False, progress=False)
             took = time.perf_counter() - t
+            steps = {"read": reports[0].steps["read"]}
+            for r in reports:
+                steps |= {f"{r.projection} {k}": v for k, v in r.steps.items() if k != "read"}
+            for step, seconds in steps.items():
+                results.setdefault(f"{step} seconds", []).append(round(seconds, 2))
             results.setdefault("all_views_seconds", []).append(took)
             results.setdefault("all_views_events_per_s", []).append(written / took)
         spark.stop()

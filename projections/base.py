@@ -113,6 +113,12 @@ class Output(View):
         combine only in Postgres) instead of folding it in Spark (`transform`)."""
         return False
 
+    def load_statements(self, target: str) -> list[str]:
+        """The statements a rebuild runs once after bulk-loading `transform`'s rows into
+        `target` (this table's shadow): what `merge_sql` does to each batch's rows in Postgres
+        and the fold in Spark cannot. None by default."""
+        return []
+
     def merge_statements(self, suffix: str, rows: str) -> list[str]:
         """The statements that merge a batch's rows (`rows`: the name of a JSON array
         parameter) into this table and its state tables, each name + `suffix` (a rebuild's

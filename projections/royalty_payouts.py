@@ -61,29 +61,40 @@ def rows() -> Column:
 
 @dataclass(frozen=True, kw_only=True)
 class AsOf(Output):
-    """Rows merged with the payout account of the profile version valid at `paid_at`."""
-
-    @property
-    def replayed(self) -> bool:
-        return True
+    """Rows merged with the payout account of the profile version valid at `paid_at`: looked
+    up per batch by the live merge, and once over the whole table after a rebuild's bulk load
+    (whose fold leaves the account null)."""
 
     def merge_sql(self, target: str, rows: str) -> str:
         return f"""
 INSERT INTO {target} (order_id, book_id, author, payout_account, amount_cents, paid_at)
-SELECT r.order_id, r.book_id, r.author, (
-    SELECT h.payout_account FROM author_profile_history h
-    WHERE h.author = r.author AND h.valid_from <= r.paid_at
-    ORDER BY h.valid_from DESC LIMIT 1
-), sum(r.amount_cents), r.paid_at
+SELECT r.order_id, r.book_id, r.author, {_account("r")}, sum(r.amount_cents), r.paid_at
 FROM jsonb_populate_recordset(NULL::{self.name}, {rows}::jsonb) r
 GROUP BY r.order_id, r.book_id, r.author, r.paid_at
 ON CONFLICT (order_id, book_id) DO NOTHING"""
+
+    def load_statements(self, target: str) -> list[str]:
+        # Only the rows whose author had a profile by then are written twice.
+        return [
+            f"UPDATE {target} r SET payout_account = {_account('r')} WHERE EXISTS ("
+            "SELECT 1 FROM author_profile_history h "
+            "WHERE h.author = r.author AND h.valid_from <= r.paid_at)"
+        ]
+
+
+def _account(row: str) -> str:
+    """The payout account of `row`'s author as the profile was at `row`'s `paid_at`."""
+    return f"""(
+    SELECT h.payout_account FROM author_profile_history h
+    WHERE h.author = {row}.author AND h.valid_from <= {row}.paid_at
+    ORDER BY h.valid_from DESC LIMIT 1
+)"""
 
 
 payouts = AsOf(
     table,
     rows=rows,
-    merge={},
+    merge={"amount_cents": "sum"},  # of an order's lines of one book (one payment per order)
     filterable=("author", "order_id"),
     version_column=None,
     counted={"payouts_without_account": "payout_account IS NULL"},

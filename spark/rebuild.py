@@ -2,7 +2,9 @@
 
 1. Read every committed event of the projections' topics once (a Spark batch up to the current
    end offsets, decoded once and cached), fold it into each output's rows by the output's own
-   rules (`Output.transform`), and bulk-load them (COPY) into shadow tables `<table>__rebuild`.
+   rules (`Output.transform`), and bulk-load them (COPY) into shadow tables `<table>__rebuild`
+   (unlogged scratch tables), then run the output's `load_statements` (what its live merge
+   adds in Postgres) and give the shadow its key.
    A projection whose rows combine only in Postgres, or that counts stream records once
    (`Projection.replayed`), is merged from the same read into its shadows by the live
    pipeline's merge instead.
@@ -65,6 +67,9 @@ class Report:
     seconds: float
     rows: dict[str, int] = field(default_factory=dict)
     differences: dict[str, list[Any]] | None = None  # with verify: rows only in old / new
+    # Seconds of each step: "read" (the shared read, whole), "load" (its shadows), "swap"
+    # (catch-up and swap).
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 class Rebuild:
@@ -117,6 +122,7 @@ class Rebuild:
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
         parsed = parse_events(raw, self._streams(projections)).persist()
         covered: dict[str, dict[str, int]] = {}
+        load: dict[str, float] = {}
         try:
             old = parsed.where(~F.col("current")).count()  # reads the log, once, into the cache
             # Every record decoded at its type's current version (the replay's `current`).
@@ -127,21 +133,24 @@ class Rebuild:
                 counts = self._counts(events)
                 shares = {p.name: self._share(p, counts) for p in projections}
                 self._create_shadows(projections)
+                read = time.monotonic() - started
                 total = sum(shares[p.name] * len(p.outputs) for p in projections)
                 label = projections[0].name if len(projections) == 1 else "every projection"
                 bar = tqdm(total=total, unit="ev", desc=f"rebuild {label}", disable=not progress)
                 with bar:
                     for p in projections:
+                        t0 = time.monotonic()
                         mine = events.where(F.col("topic").isin(self._names(p)))
                         if p.replayed:
                             with psycopg.connect(self.url) as conn, conn.transaction():
                                 covered[p.name], _, _ = self._apply(conn, p, mine, {}, SHADOW)
                             bar.update(shares[p.name] * len(p.outputs))
-                            continue
-                        for output in p.outputs:
-                            self._bulk_load(output, mine, bar, shares[p.name])
-                        reads = set(p.reads(self.topics, self.settings.partitions))
-                        covered[p.name] = {k: v for k, v in seen.items() if k in reads}
+                        else:
+                            for output in p.outputs:
+                                self._bulk_load(output, mine, bar, shares[p.name])
+                            reads = set(p.reads(self.topics, self.settings.partitions))
+                            covered[p.name] = {k: v for k, v in seen.items() if k in reads}
+                        load[p.name] = time.monotonic() - t0
                     bar.n = total
                     bar.refresh()
             finally:
@@ -157,6 +166,7 @@ class Rebuild:
             # The shared read and load are split between projections by their events.
             part = shares[p.name] / max(sum(shares.values()), 1)
             report.seconds = (loaded - started) * part + time.monotonic() - t0
+            report.steps = {"read": read, "load": load[p.name], "swap": time.monotonic() - t0}
             reports.append(report)
         return reports
 
@@ -173,9 +183,13 @@ class Rebuild:
     def _create_shadows(self, projections: list[Projection]) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             for p in projections:
+                # Scratch tables: unlogged (no WAL to write, nor for CDC to decode and skip; a
+                # database crash empties them, and a rebuild starts them anew). Bulk-loaded ones
+                # get their key after the load, and need no other index.
+                like = "INCLUDING ALL" if p.replayed else "INCLUDING DEFAULTS"
                 for table in _tables(p):
                     conn.execute(f"DROP TABLE IF EXISTS {table}{SHADOW}")
-                    conn.execute(f"CREATE TABLE {table}{SHADOW} (LIKE {table} INCLUDING ALL)")
+                    conn.execute(f"CREATE UNLOGGED TABLE {table}{SHADOW} (LIKE {table} {like})")
                 conn.execute("DELETE FROM stream_ids WHERE fold = %s", (p.name + SHADOW,))
 
     def _bulk_load(self, output: Output, events: DataFrame, bar: tqdm, share: float) -> None:
@@ -185,6 +199,11 @@ class Rebuild:
             bulk_load(self.url, output.transform(events), output.name + SHADOW, output.columns)
         finally:
             watcher.stop()
+        shadow = output.name + SHADOW
+        with psycopg.connect(self.url) as conn:
+            for statement in output.load_statements(shadow):
+                conn.execute(statement)
+            conn.execute(f"ALTER TABLE {shadow} ADD PRIMARY KEY ({', '.join(output.key)})")
 
     def _catch_up(self, projection: Projection, covered: dict[str, int]) -> dict[str, int]:
         """Apply to the shadow what the live projector applied since the snapshot was read,
