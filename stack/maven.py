@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 SETTINGS = Path(__file__).parent / "maven-settings.xml"
@@ -36,6 +37,7 @@ def fetch(pom: Path, target: Path) -> Path:
             f"-DoutputDirectory={target}",
         ],
         check=True,
+        stdout=sys.stderr,  # Maven's output (even quiet, it resets colours) is not the caller's
     )
     stamp.write_text(pom_text)
     return target
