@@ -122,6 +122,7 @@ class Rebuild:
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
         parsed = parse_events(raw, self._streams(projections)).persist()
         covered: dict[str, dict[str, int]] = {}
+        counted: dict[str, tuple[int, int]] = {}  # events applied and late, as the live counts
         load: dict[str, float] = {}
         try:
             old = parsed.where(~F.col("current")).count()  # reads the log, once, into the cache
@@ -143,13 +144,17 @@ class Rebuild:
                         mine = events.where(F.col("topic").isin(self._names(p)))
                         if p.replayed:
                             with psycopg.connect(self.url) as conn, conn.transaction():
-                                covered[p.name], _, _ = self._apply(conn, p, mine, {}, SHADOW)
+                                covered[p.name], applied, late = self._apply(
+                                    conn, p, mine, {}, SHADOW
+                                )
+                            counted[p.name] = (applied, late)
                             bar.update(shares[p.name] * len(p.outputs))
                         else:
                             for output in p.outputs:
                                 self._bulk_load(output, mine, bar, shares[p.name])
                             reads = set(p.reads(self.topics, self.settings.partitions))
                             covered[p.name] = {k: v for k, v in seen.items() if k in reads}
+                            counted[p.name] = (shares[p.name], self._late_rows(p))
                         load[p.name] = time.monotonic() - t0
                     bar.n = total
                     bar.refresh()
@@ -161,7 +166,7 @@ class Rebuild:
         reports = []
         for p in projections:
             t0 = time.monotonic()
-            report = self._swap(p, self._catch_up(p, covered[p.name]), verify, shares[p.name])
+            report = self._swap(p, self._catch_up(p, covered[p.name]), verify, counted[p.name])
             report.events = shares[p.name]
             # The shared read and load are split between projections by their events.
             part = shares[p.name] / max(sum(shares.values()), 1)
@@ -219,11 +224,20 @@ class Rebuild:
                 covered, _, _ = self._apply(conn, projection, batch, covered, SHADOW)
         return covered
 
+    def _late_rows(self, projection: Projection) -> int:
+        """The late events in `projection`'s shadows (each is one row of a late output)."""
+        with psycopg.connect(self.url) as conn:
+            return sum(_count(conn, o.name + SHADOW) for o in projection.outputs if o.late)
+
     def _swap(
-        self, projection: Projection, covered: dict[str, int], verify: bool, loaded: int
+        self,
+        projection: Projection,
+        covered: dict[str, int],
+        verify: bool,
+        snapshot: tuple[int, int],
     ) -> Report:
-        """Make the live view equal to the shadow, whose first `loaded` events were read at
-        once (the rest in catch-up batches)."""
+        """Make the live view equal to the shadow, which took `snapshot` (events applied,
+        late ones) from the read of the whole log, the rest in catch-up batches."""
         report = Report(projection.name, 0, 0.0)
         with psycopg.connect(self.url) as conn, conn.transaction():
             live = lock_progress(conn, projection.name)  # live batches wait from here
@@ -239,8 +253,7 @@ class Rebuild:
                 # The live view has applied nothing (no projector has run): the shadow replaces
                 # it whole, so applying the log to it first would be work thrown away. It takes
                 # the shadow's counts, which are then all the snapshot's (there was no catch-up).
-                live, applied = covered, loaded
-                late = sum(_count(conn, o.name + SHADOW) for o in projection.outputs if o.late)
+                live, (applied, late) = covered, snapshot
             elif behind_shadow:
                 batch = self._between(projection, live, {**live, **behind_shadow})
                 live, applied, late = self._apply(conn, projection, batch, live)
