@@ -30,7 +30,14 @@ from stack.settings import Settings
 from stack.topics import Topics
 from streams.ingest import FactRecord
 from tests import stream_oracle
-from tests.support import Processes, append_events, cli, health_component, token
+from tests.support import (
+    Processes,
+    append_events,
+    cli,
+    health_component,
+    new_deployment,
+    token,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -433,6 +440,28 @@ def test_rebuild_verify_finds_the_live_views_identical(
     post(api, gen.sent[:100])
     caught_up(settings)
     assert stream_oracle.differences(settings) == {}
+
+
+def test_a_rebuild_before_any_projector_ran_counts_late_records_as_the_projector_does(
+    base_settings: Settings,
+) -> None:
+    """With no projector ever run, the rebuilt views replace empty live ones whole, progress and
+    counts included: the late records, which no table holds, must be counted all the same."""
+    own = new_deployment(base_settings)
+    app = create_app(own)
+    try:
+        gen = PageViews(seed=6)
+        for _ in range(2):
+            post(app.test_client(), gen.batch(150))
+        gen.orders(own, 10)
+    finally:
+        close_app(app)
+    out = cli(own, "rebuild", *VIEWS)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert stream_oracle.differences(own) == {}
+    _, late = stream_oracle.expected(own)
+    assert all(late.values())
+    assert late_counts(own) == late
 
 
 def test_a_batch_merged_in_many_chunks_gives_the_rows_of_one_merged_at_once(
