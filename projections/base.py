@@ -122,7 +122,8 @@ class Output(View):
     def merge_statements(self, suffix: str, rows: str) -> list[str]:
         """The statements that merge a batch's rows (`rows`: the name of a JSON array
         parameter) into this table and its state tables, each name + `suffix` (a rebuild's
-        shadows), run in order in one transaction."""
+        shadows), run in order in one transaction. A statement that does not name `rows`
+        runs without it (it reads what an earlier one staged)."""
         return [self.merge_sql(self.name + suffix, rows)]
 
     def prune_statements(self, suffix: str) -> list[str]:

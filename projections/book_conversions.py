@@ -108,20 +108,22 @@ class Conversions(Output):
             f"conversion_views{suffix}",
             f"conversion_orders{suffix}",
         )
-        batch = (
-            f"jsonb_to_recordset({rows}::jsonb) "
-            "AS r (kind text, id text, customer_id text, book_id text, at timestamptz)"
-        )
+        # The batch's rows, read from their JSON once into a scratch table of the session
+        # (emptied by each batch and at commit): every later statement reads them from there.
         within = _seconds(self.within)
         day = "(at AT TIME ZONE 'UTC')::date"
         return [
+            f"CREATE TEMP TABLE IF NOT EXISTS {BATCH} ({BATCH_COLUMNS}) ON COMMIT DELETE ROWS",
+            f"DELETE FROM {BATCH}",
+            f"INSERT INTO {BATCH} SELECT * FROM jsonb_to_recordset({rows}::jsonb) "
+            f"AS r ({BATCH_COLUMNS})",
             # The newest event time of the whole batch, for `prune_statements`.
             f"""
 SELECT set_config('{_newest(suffix)}', greatest({_newest_sql(suffix)},
-    (SELECT max(at) FROM {batch}))::text, true)""",
+    (SELECT max(at) FROM {BATCH}))::text, true)""",
             f"""
 INSERT INTO {orders} (order_id, book_id, customer_id, at)
-SELECT id, book_id, customer_id, at FROM {batch} WHERE kind = 'order'
+SELECT id, book_id, customer_id, at FROM {BATCH} WHERE kind = 'order'
 ON CONFLICT DO NOTHING""",
             f"""
 WITH new AS (
@@ -131,7 +133,7 @@ WITH new AS (
         WHERE o.customer_id = r.customer_id AND o.book_id = r.book_id
         AND o.at >= r.at AND o.at <= r.at + {within}
     )
-    FROM {batch} WHERE kind = 'view'
+    FROM {BATCH} r WHERE kind = 'view'
     ON CONFLICT DO NOTHING
     RETURNING book_id, at, converted
 )
@@ -141,7 +143,7 @@ ON CONFLICT (book_id, day) DO UPDATE SET views = t.views + excluded.views,
     converted_views = t.converted_views + excluded.converted_views""",
             f"""
 WITH new AS (
-    SELECT customer_id, book_id, at FROM {batch} WHERE kind = 'order'
+    SELECT customer_id, book_id, at FROM {BATCH} WHERE kind = 'order'
 ), converted AS (
     UPDATE {views} v SET converted = TRUE
     WHERE NOT v.converted AND EXISTS (
@@ -167,6 +169,10 @@ WHERE t.book_id = c.book_id AND t.day = c.day""",
             f"DELETE FROM {views} "
             f"WHERE at < {newest} - {_seconds(self.lateness + self.within + MARGIN)}",
         ]
+
+
+BATCH = "conversion_batch"
+BATCH_COLUMNS = "kind text, id text, customer_id text, book_id text, at timestamptz"
 
 
 def _newest(suffix: str) -> str:

@@ -146,9 +146,10 @@ def copy_rows(
 def merge_json(conn: psycopg.Connection[Any], output: Output, rows: str, suffix: str = "") -> None:
     """Merge `rows`, a JSON array of row objects (by column name, any number per key), into the
     output's table (+ `suffix`: its shadow) by the output's rules (`Output.merge_statements`).
-    Postgres converts the values."""
+    Postgres converts the values. A statement that does not name the parameter (one that
+    reads rows an earlier statement staged) runs without it."""
     for statement in output.merge_statements(suffix, "%s"):
-        conn.execute(statement, (rows,))
+        conn.execute(statement, (rows,) if "%s" in statement else None)
 
 
 def count_once(
