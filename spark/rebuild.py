@@ -9,7 +9,7 @@
    (`Projection.replayed`), is merged from the same read into its shadows by the live
    pipeline's merge instead.
 2. Catch each shadow up, in batches, to whatever the live projector has applied meanwhile.
-Then, for each projection:
+Then, for each projection (two at a time, each in its own transaction):
 3. Holding the projection's progress lock (live batches wait): apply the last few events,
    optionally compare live and shadow row for row, then make the live table equal to the shadow
    by writing only the rows that differ (usually none), all in one transaction: readers see the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,10 @@ log = logging.getLogger(__name__)
 
 SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
+SWAPS = 2  # projections swapped at once
+# Memory for the swap's row-for-row comparison: enough to hash a large view's rows instead
+# of sorting both copies on disk (`docs/benchmarks.md`, rebuild).
+SWAP_WORK_MEM = "256MB"
 
 
 @dataclass
@@ -163,8 +168,8 @@ class Rebuild:
         finally:
             parsed.unpersist()
         loaded = time.monotonic()
-        reports = []
-        for p in projections:
+
+        def swap(p: Projection) -> Report:
             t0 = time.monotonic()
             report = self._swap(p, self._catch_up(p, covered[p.name]), verify, counted[p.name])
             report.events = shares[p.name]
@@ -172,8 +177,12 @@ class Rebuild:
             part = shares[p.name] / max(sum(shares.values()), 1)
             report.seconds = (loaded - started) * part + time.monotonic() - t0
             report.steps = {"read": read, "load": load[p.name], "swap": time.monotonic() - t0}
-            reports.append(report)
-        return reports
+            return report
+
+        # Each projection's swap is its own transaction on its own tables, mostly one
+        # Postgres backend comparing rows: two at a time keep both cores busy.
+        with ThreadPoolExecutor(max_workers=SWAPS, thread_name_prefix="swap") as pool:
+            return list(pool.map(swap, projections))
 
     def _names(self, projection: Projection) -> list[str]:
         return projection.topic_names(self.topics)
@@ -240,6 +249,7 @@ class Rebuild:
         late ones) from the read of the whole log, the rest in catch-up batches."""
         report = Report(projection.name, 0, 0.0)
         with psycopg.connect(self.url) as conn, conn.transaction():
+            conn.execute(f"SET LOCAL work_mem = '{SWAP_WORK_MEM}'")
             live = lock_progress(conn, projection.name)  # live batches wait from here
             # Bring both to the same position: the shadow to what the live view has applied,
             # the live view to what the snapshot read (as its next batches would have).
