@@ -116,19 +116,21 @@ def share_of(
     rows: list[Any],
     first: int,
     offsets: Offsets,
-    passed: dict[str, tuple[int, int, int]] | None = None,
+    passed: dict[str, tuple[int, int, int, int]] | None = None,
 ) -> Share | None:
     """The rows of `p`'s outputs (row columns from `first`, one per output) of the records
     of `reads` ("topic:partition") after its offsets, with its watermark applied; records of
     the topics `streams` are counted once by id (`merge_share`). `passed`: records left out of
-    `rows` because they add nothing, per "topic:partition" their number and first and last
-    offsets (all of `reads`, after the offsets, on time, not of `streams`, without rows)."""
+    `rows` (all of `reads`, after the offsets, not of `streams`), per "topic:partition" their
+    number, first and last offsets, and how many of them are late; the caller adds their rows
+    to the share."""
     found: dict[str, list[str]] = {o.name: [] for o in p.outputs}
     last: dict[str, int] = {}
     starts: dict[str, int] = {}
     count = late = 0
-    for key, (n, lo, hi) in (passed or {}).items():
+    for key, (n, lo, hi, late_n) in (passed or {}).items():
         count += n
+        late += late_n
         last[key] = max(last.get(key, -1), hi)
         starts[key] = min(starts.get(key, lo), lo)
     records: list[tuple[str, int, list[str | None]]] = []
@@ -175,40 +177,65 @@ def replay(
     Returns the new offsets, the number of records applied and of late records. The caller
     commits.
 
-    Made for whole logs (a rebuild): only the records that add something travel to Python (in
-    Arrow batches); the others, which only move the offsets, are counted in Spark."""
+    Made for whole logs (a rebuild): only stream records (counted once by id) travel to Python
+    whole; of the events, Spark counts them, their late ones and their offsets, and hands over
+    only the rows of those on time (in Arrow batches). Events at an older schema version send
+    every record through Python, where they are upcast in their place."""
     topics = Topics(settings.topic_prefix)
     columns = [rows_json(o).alias(o.name) for o in p.outputs]
     reads = frozenset(p.reads(topics, settings.partitions))
     streams = frozenset(topics.stream(s) for s in p.streams)
     mine = unapplied(events.where(F.col("topic").isin(*p.topic_names(topics))), offsets)
     selected = mine.select(*position(), *columns)
-    adds = ~F.col("current") | F.col("topic").isin(*streams)
+    late = F.lit(False)
     if p.lateness is not None:
-        adds |= F.col("delay_us") > int(p.lateness.total_seconds() * 1e6)
-    for o in p.outputs:
-        adds |= F.col(o.name) != "[]"
-    adds = F.coalesce(adds, F.lit(True))  # a record it cannot tell about goes to Python
-    table = selected.where(adds).toArrow()
-    rows: list[Any] = list(zip(*(c.to_pylist() for c in table.columns), strict=True))
-    if any(not r[CURRENT] for r in rows):
-        rows = upcast_rows(mine, rows, columns)
+        late = F.col("delay_us") > int(p.lateness.total_seconds() * 1e6)
+    # A record it cannot tell about goes to Python.
+    python = F.coalesce(
+        ~F.col("current") | F.col("topic").isin(*streams) | late.isNull(), F.lit(True)
+    )
+    rows = _arrow_rows(selected.where(python))
+    if any(r[TOPIC] not in streams for r in rows):
+        # An event Python must see (to upcast it, or to tell whether it is late): then every
+        # record goes through Python, so that its rows keep their place in the log's order.
+        python = F.lit(True)
+        rows = _arrow_rows(selected)
+        if any(not r[CURRENT] for r in rows):
+            rows = upcast_rows(mine, rows, columns)
+    counted = selected.where(~python)
     passed = {
-        f"{r['topic']}:{r['partition']}": (int(r["n"]), int(r["first"]), int(r["last"]))
-        for r in selected.where(~adds)
-        .groupBy("topic", "partition")
+        f"{r['topic']}:{r['partition']}": (
+            int(r["n"]),
+            int(r["first"]),
+            int(r["last"]),
+            int(r["late"]),
+        )
+        for r in counted.groupBy("topic", "partition")
         .agg(
             F.count("*").alias("n"),
             F.min("offset").alias("first"),
             F.max("offset").alias("last"),
+            F.count_if(late).alias("late"),
         )
         .collect()
     }
     share = share_of(p, reads, streams, rows, POSITION, offsets, passed)
     if share is None:
         return offsets, 0, 0
-    late = merge_share(conn, p, share, suffix, keep_ids(p, settings))
-    return share.after, share.count, late
+    adds = F.lit(False)
+    for o in p.outputs:
+        adds |= F.col(o.name) != "[]"
+    found = counted.where(~late & adds).select(*(o.name for o in p.outputs)).toArrow()
+    for o in p.outputs:  # in log order, as `share_of` lists the rows it is given
+        values = found.column(o.name).to_pylist()
+        share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
+    late_n = merge_share(conn, p, share, suffix, keep_ids(p, settings))
+    return share.after, share.count, late_n
+
+
+def _arrow_rows(frame: DataFrame) -> list[Any]:
+    table = frame.toArrow()
+    return list(zip(*(c.to_pylist() for c in table.columns), strict=True))
 
 
 def keep_ids(p: Projection, settings: Settings) -> timedelta:
