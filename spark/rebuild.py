@@ -7,7 +7,8 @@
    adds in Postgres) and give the shadow its key.
    A projection whose rows combine only in Postgres, or that counts stream records once
    (`Projection.replayed`), is merged from the same read into its shadows by the live
-   pipeline's merge instead.
+   pipeline's merge instead. Two projections load at a time (a merge keeps a Postgres backend
+   busy while Spark folds and copies another).
 2. Catch each shadow up, in batches, to whatever the live projector has applied meanwhile.
 Then, for each projection (two at a time, each in its own transaction):
 3. Holding the projection's progress lock (live batches wait): apply the last few events,
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
 SWAPS = 2  # projections swapped at once
+LOADS = 2  # projections loaded into their shadows at once
 # Memory for the swap's row-for-row comparison: enough to hash a large view's rows instead
 # of sorting both copies on disk (`docs/benchmarks.md`, rebuild).
 SWAP_WORK_MEM = "256MB"
@@ -144,23 +146,22 @@ class Rebuild:
                 label = projections[0].name if len(projections) == 1 else "every projection"
                 bar = tqdm(total=total, unit="ev", desc=f"rebuild {label}", disable=not progress)
                 with bar:
-                    for p in projections:
+                    # Two loads at a time: a replayed projection's merge keeps one Postgres
+                    # backend (a core) busy while Spark folds and copies the others. The
+                    # heaviest start first (replayed ones, then by their events).
+                    heaviest = sorted(
+                        projections, key=lambda p: (p.replayed, shares[p.name]), reverse=True
+                    )
+
+                    def load_one(p: Projection) -> None:
                         t0 = time.monotonic()
-                        mine = events.where(F.col("topic").isin(self._names(p)))
-                        if p.replayed:
-                            with psycopg.connect(self.url) as conn, conn.transaction():
-                                covered[p.name], applied, late = self._apply(
-                                    conn, p, mine, {}, SHADOW
-                                )
-                            counted[p.name] = (applied, late)
-                            bar.update(shares[p.name] * len(p.outputs))
-                        else:
-                            for output in p.outputs:
-                                self._bulk_load(output, mine, bar, shares[p.name])
-                            reads = set(p.reads(self.topics, self.settings.partitions))
-                            covered[p.name] = {k: v for k, v in seen.items() if k in reads}
-                            counted[p.name] = (shares[p.name], self._late_rows(p))
+                        covered[p.name], counted[p.name] = self._load(
+                            p, events, seen, shares[p.name], bar
+                        )
                         load[p.name] = time.monotonic() - t0
+
+                    with ThreadPoolExecutor(LOADS, thread_name_prefix="load") as pool:
+                        list(pool.map(load_one, heaviest))
                     bar.n = total
                     bar.refresh()
             finally:
@@ -193,6 +194,22 @@ class Rebuild:
 
     def _share(self, projection: Projection, counts: dict[str, int]) -> int:
         return sum(counts.get(n, 0) for n in self._names(projection))
+
+    def _load(
+        self, p: Projection, events: DataFrame, seen: dict[str, int], share: int, bar: tqdm
+    ) -> tuple[dict[str, int], tuple[int, int]]:
+        """Fill `p`'s shadows from the whole log's `events`; returns the offsets they cover
+        and the events applied and late, as the live projector counts them."""
+        mine = events.where(F.col("topic").isin(self._names(p)))
+        if p.replayed:
+            with psycopg.connect(self.url) as conn, conn.transaction():
+                covered, applied, late = self._apply(conn, p, mine, {}, SHADOW)
+            bar.update(share * len(p.outputs))
+            return covered, (applied, late)
+        for output in p.outputs:
+            self._bulk_load(output, mine, bar, share)
+        reads = set(p.reads(self.topics, self.settings.partitions))
+        return {k: v for k, v in seen.items() if k in reads}, (share, self._late_rows(p))
 
     def _create_shadows(self, projections: list[Projection]) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
@@ -315,29 +332,39 @@ def _differences(conn: psycopg.Connection[Any], output: Output) -> list[Any]:
 
 
 class _TaskProgress:
-    """Moves a progress bar as Spark completes the tasks of the running job."""
+    """Moves a progress bar by `share` as Spark completes the tasks of the jobs this thread
+    starts (a job group of its own: other loads run their jobs at the same time)."""
 
     def __init__(self, spark: SparkSession, bar: tqdm, share: float) -> None:
-        self.tracker = spark.sparkContext.statusTracker()
+        self.context = spark.sparkContext
+        self.tracker = self.context.statusTracker()
+        self.group = f"rebuild-load-{threading.get_ident()}-{time.monotonic_ns()}"
         self.bar, self.share = bar, share
-        self.base = bar.n
+        self.moved = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> None:
+        # Spark's job properties are the calling thread's own (PySpark pins threads).
+        self.context.setJobGroup(self.group, "rebuild: load a shadow table")
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+        self.context.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             done = total = 0
-            for stage_id in self.tracker.getActiveStageIds():
-                info = self.tracker.getStageInfo(stage_id)
-                if info is not None:
-                    done, total = done + info.numCompletedTasks, total + info.numTasks
+            for job_id in self.tracker.getJobIdsForGroup(self.group):
+                job = self.tracker.getJobInfo(job_id)
+                for stage_id in job.stageIds if job is not None else ():
+                    info = self.tracker.getStageInfo(stage_id)
+                    if info is not None:
+                        done, total = done + info.numCompletedTasks, total + info.numTasks
             if total:
-                self.bar.n = int(self.base + self.share * done / total)
-                self.bar.refresh()
+                moved = int(self.share * done / total)
+                if moved > self.moved:
+                    self.bar.update(moved - self.moved)
+                    self.moved = moved

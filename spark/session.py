@@ -39,6 +39,7 @@ def session(settings: Settings, app_name: str, java_options: str = "") -> SparkS
         builder.config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")  # Logfold's commands draw their own
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
         .config("spark.scheduler.mode", "FAIR")
