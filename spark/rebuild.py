@@ -62,8 +62,9 @@ SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
 SWAPS = 2  # projections swapped at once
 LOADS = 2  # projections loaded into their shadows at once
-# Memory for the swap's row-for-row comparison: enough to hash a large view's rows instead
-# of sorting both copies on disk (`docs/benchmarks.md`, rebuild).
+# Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
+# of sorting both copies on disk, `docs/benchmarks.md`, rebuild) and for building a shadow's
+# indexes after its load.
 SWAP_WORK_MEM = "256MB"
 
 
@@ -202,8 +203,16 @@ class Rebuild:
         and the events applied and late, as the live projector counts them."""
         mine = events.where(F.col("topic").isin(self._names(p)))
         if p.replayed:
-            with psycopg.connect(self.url) as conn, conn.transaction():
-                covered, applied, late = self._apply(conn, p, mine, {}, SHADOW)
+            with psycopg.connect(self.url) as conn:
+                # Secondary indexes are built once after the whole log, not row by row
+                # during it (the merges of so large a batch join by hashing, not by them).
+                indexes = _drop_indexes(conn, [f"{t}{SHADOW}" for t in _tables(p)])
+                with conn.transaction():
+                    covered, applied, late = self._apply(conn, p, mine, {}, SHADOW)
+                with conn.transaction():
+                    conn.execute(f"SET LOCAL maintenance_work_mem = '{SWAP_WORK_MEM}'")
+                    for statement in indexes:
+                        conn.execute(statement)
             bar.update(share * len(p.outputs))
             return covered, (applied, late)
         for output in p.outputs:
@@ -309,6 +318,20 @@ class Rebuild:
 
 def _count(conn: psycopg.Connection[Any], table: str) -> int:
     return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # type: ignore[index]
+
+
+def _drop_indexes(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
+    """Drop the indexes of `tables` that no key or constraint needs (`ON CONFLICT` needs the
+    unique ones); returns the statements that create them again."""
+    rows = conn.execute(
+        "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+        "WHERE i.indrelid = ANY(%s::regclass[]) AND NOT i.indisunique",
+        (tables,),
+    ).fetchall()
+    for name, _ in rows:
+        conn.execute(f"DROP INDEX {name}")
+    conn.commit()
+    return [definition for _, definition in rows]
 
 
 def _tables(projection: Projection) -> list[str]:
