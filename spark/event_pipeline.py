@@ -222,10 +222,9 @@ def replay(
     share = share_of(p, reads, streams, rows, POSITION, offsets, passed)
     if share is None:
         return offsets, 0, 0
-    adds = F.lit(False)
-    for o in p.outputs:
-        adds |= F.col(o.name) != "[]"
-    found = counted.where(~late & adds).select(*(o.name for o in p.outputs)).toArrow()
+    # Events that add no rows (`[]`) are left out here, not by Spark: a filter on the rows
+    # would have Spark work each event's rows out twice (in the filter and in the select).
+    found = counted.where(~late).select(*(o.name for o in p.outputs)).toArrow()
     for o in p.outputs:  # in log order, as `share_of` lists the rows it is given
         values = found.column(o.name).to_pylist()
         share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
