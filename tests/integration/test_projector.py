@@ -311,6 +311,33 @@ def test_a_rebuild_before_any_projector_ran_fills_the_views_and_counts_each_even
         procs.stop()
 
 
+def test_a_shadow_merged_from_the_whole_log_keeps_its_keys_and_gets_its_indexes_back(
+    deployment: Settings,
+) -> None:
+    """A replayed view's shadows are merged without their secondary indexes, which are built
+    once after the whole log: keys and unique indexes stay (`ON CONFLICT` needs them), and
+    every index dropped comes back as it was."""
+    from spark.rebuild import _drop_indexes
+
+    def indexes(conn: psycopg.Connection[Any]) -> dict[str, str]:
+        rows = conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'probe'")
+        return {r[0]: r[1] for r in rows}
+
+    with psycopg.connect(deployment.database(), autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS probe")
+        conn.execute("CREATE TABLE probe (a text PRIMARY KEY, b text UNIQUE, c text, d int)")
+        conn.execute("CREATE INDEX probe_cd ON probe (c, d DESC)")
+        conn.execute("CREATE INDEX probe_positive ON probe (d) WHERE d > 0")
+        before = indexes(conn)
+        again = _drop_indexes(conn, ["probe"])
+        assert indexes(conn) == {n: d for n, d in before.items() if "UNIQUE" in d}
+        assert len(again) == 2
+        for statement in again:
+            conn.execute(statement)
+        assert indexes(conn) == before
+        conn.execute("DROP TABLE probe")
+
+
 def row_counts(settings: Settings) -> dict[str, int]:
     views = ("customers", "books", "orders", "author_royalties", "sales_by_hour")
     with psycopg.connect(settings.database()) as conn:
