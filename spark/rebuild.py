@@ -65,7 +65,7 @@ LOADS = 2  # projections loaded into their shadows at once
 # Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
 # of sorting both copies on disk, `docs/benchmarks.md`, rebuild) and for building a shadow's
 # indexes after its load.
-SWAP_WORK_MEM = "256MB"
+WORK_MEM = "256MB"
 
 
 @dataclass
@@ -210,7 +210,7 @@ class Rebuild:
                 with conn.transaction():
                     covered, applied, late = self._apply(conn, p, mine, {}, SHADOW)
                 with conn.transaction():
-                    conn.execute(f"SET LOCAL maintenance_work_mem = '{SWAP_WORK_MEM}'")
+                    conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
                     for statement in indexes:
                         conn.execute(statement)
             bar.update(share * len(p.outputs))
@@ -275,7 +275,7 @@ class Rebuild:
         late ones) from the read of the whole log, the rest in catch-up batches."""
         report = Report(projection.name, 0, 0.0)
         with psycopg.connect(self.url) as conn, conn.transaction():
-            conn.execute(f"SET LOCAL work_mem = '{SWAP_WORK_MEM}'")
+            conn.execute(f"SET LOCAL work_mem = '{WORK_MEM}'")
             live = lock_progress(conn, projection.name)  # live batches wait from here
             # Bring both to the same position: the shadow to what the live view has applied,
             # the live view to what the snapshot read (as its next batches would have).
