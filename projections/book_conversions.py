@@ -115,7 +115,7 @@ class Conversions(Output):
         return [
             f"CREATE TEMP TABLE IF NOT EXISTS {BATCH} ({BATCH_COLUMNS}) ON COMMIT DELETE ROWS",
             f"DELETE FROM {BATCH}",
-            f"INSERT INTO {BATCH} SELECT * FROM jsonb_to_recordset({rows}::jsonb) "
+            f"INSERT INTO {BATCH} SELECT * FROM json_to_recordset({rows}::json) "
             f"AS r ({BATCH_COLUMNS})",
             # The newest event time of the whole batch, for `prune_statements`.
             f"""

@@ -70,7 +70,7 @@ class SessionWindows(Output):
         return f"""
 WITH points AS (
     SELECT customer_id, at, book_id
-    FROM jsonb_to_recordset({rows}::jsonb) AS r (customer_id text, at timestamptz, book_id text)
+    FROM json_to_recordset({rows}::json) AS r (customer_id text, at timestamptz, book_id text)
 ), span AS (
     SELECT customer_id, min(at) - {gap} AS lo, max(at) + {gap} AS hi
     FROM points GROUP BY customer_id

@@ -69,7 +69,7 @@ class AsOf(Output):
         return f"""
 INSERT INTO {target} (order_id, book_id, author, payout_account, amount_cents, paid_at)
 SELECT r.order_id, r.book_id, r.author, {_account("r")}, sum(r.amount_cents), r.paid_at
-FROM jsonb_populate_recordset(NULL::{self.name}, {rows}::jsonb) r
+FROM json_populate_recordset(NULL::{self.name}, {rows}::json) r
 GROUP BY r.order_id, r.book_id, r.author, r.paid_at
 ON CONFLICT (order_id, book_id) DO NOTHING"""
 

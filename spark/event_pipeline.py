@@ -267,7 +267,7 @@ def merge_share(
     return late
 
 
-MERGE_CHUNK_BYTES = 32 * 1024 * 1024  # of JSON per statement (Postgres caps a jsonb at 256 MiB)
+MERGE_CHUNK_BYTES = 32 * 1024 * 1024  # of JSON per statement (far under Postgres's 1 GiB cap)
 
 
 def _chunks(arrays: list[str]) -> Iterator[list[str]]:
