@@ -44,7 +44,7 @@ from events.catalog import EVENTS_BY_AGGREGATE
 from projections.base import Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
-from spark.session import BatchCodegen, codegen, idle_poll
+from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.sink import (
     Reconnecting,
     count_once,
@@ -344,7 +344,7 @@ class EventSink:
         }
         self.failed: dict[str, str] = {}
         self.timings: dict[str, float] = {}  # of the last batch, by stage
-        self.codegen = BatchCodegen()
+        self.planning = BatchPlanning()
         self.last_batch = 0  # records
         self.db = Reconnecting(settings.database())
         self.gaps = Gaps(settings.kafka(), settings.kafka_timeout_s)
@@ -356,7 +356,7 @@ class EventSink:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.perf_counter()
-        self.codegen.fit(batch.sparkSession, self.last_batch)
+        self.planning.fit(batch.sparkSession, self.last_batch)
         assert self.records is not None, "the pipeline sets where its batches can be read again"
         records = self.records
         rows, errors = self._collect(batch, self.active, lambda: records(batch_id))
@@ -547,7 +547,7 @@ class EventPipeline:
         if self.sink is not None:
             self.sink.db.close()
         self.sink = EventSink(self.projections, self.settings)
-        codegen(self.spark, False)  # the query starts on small batches (see BatchCodegen)
+        full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
         self.sink.warm(self.spark)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             for name in names:

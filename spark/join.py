@@ -38,7 +38,7 @@ from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
 from spark.gaps import Gaps, check_gaps
 from spark.rebuild import SHADOW, Report, differences
-from spark.session import BatchCodegen, codegen, idle_poll
+from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.sink import (
     Reconnecting,
     bulk_load,
@@ -163,12 +163,12 @@ class JoinSink:
         self.gaps = gaps
         self.failed: set[str] = set()
         self.db = Reconnecting(database_url)
-        self.codegen = BatchCodegen()
+        self.planning = BatchPlanning()
         self.last_batch = 0  # records
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         """`batch`: the changelog records of `records` (in the streaming plan, planned once)."""
-        self.codegen.fit(batch.sparkSession, self.last_batch)
+        self.planning.fit(batch.sparkSession, self.last_batch)
         recs = batch.collect()
         self.last_batch = len(recs)
         if not recs:
@@ -275,7 +275,7 @@ class JoinPipeline:
         gaps = Gaps(self.settings.kafka(), self.settings.kafka_timeout_s)
         self.sink = JoinSink(self.joins, url, self.tables, gaps)
         idle_poll(self.spark, self.settings.spark_joins_idle_poll_ms)
-        codegen(self.spark, False)  # the query starts on small batches (see BatchCodegen)
+        full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
         return (
             records(raw, self.tables)
             .writeStream.foreachBatch(self.sink)

@@ -13,7 +13,7 @@ from stack import maven
 from stack.settings import Settings
 
 POM = Path(stack.__file__).parent / "spark" / "pom.xml"
-CODEGEN_FROM_RECORDS = 10_000  # a live batch this large is planned with generated code
+FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spark does
 
 
 def kafka_jars(settings: Settings) -> list[str]:
@@ -63,25 +63,65 @@ def idle_poll(spark: SparkSession, ms: int) -> None:
     spark.conf.set("spark.sql.streaming.pollingDelay", f"{ms}ms")
 
 
-def codegen(spark: SparkSession, on: bool) -> None:
-    """Whether the session's next plans compile Java code (Spark's default) or interpret their
-    expressions."""
+# Optimizer rules a small batch's plan does without: none is needed for a correct plan (Spark
+# keeps those regardless), each only makes the plan faster to run, which on a few records is
+# worth less than the rule's own time. Spark optimises every micro-batch's plan twice (to run
+# it, and again to describe it), and for the event query's rows expressions these rules took
+# half of that (`docs/benchmarks.md`, freshness: queryPlanning 30 -> 15 ms a batch).
+_OPTIMIZER = "org.apache.spark.sql.catalyst.optimizer"
+LEAN_EXCLUDED_RULES = (
+    *(
+        f"{_OPTIMIZER}.{rule}"
+        for rule in (
+            "BooleanSimplification",
+            "ConstantFolding",
+            "FoldablePropagation",
+            "MergeScalarSubqueries",
+            "NullPropagation",
+            "OptimizeCsvJsonExprs",
+            "OptimizeIn",
+            "OptimizeOneRowRelationSubquery",
+            "PushFoldableIntoBranches",
+            "RemoveRedundantAliases",
+            "ReorderAssociativeOperator",
+            "ReplaceNullWithFalseInPredicate",
+            "SimplifyBinaryComparison",
+            "SimplifyCasts",
+            "SimplifyConditionals",
+            "SimplifyExtractValueOps",
+            "UnwrapCastInBinaryComparison",
+        )
+    ),
+    "org.apache.spark.sql.execution.datasources.PruneFileSourcePartitions",
+    "org.apache.spark.sql.execution.datasources.SchemaPruning",
+)
+
+
+def full_planning(spark: SparkSession, on: bool) -> None:
+    """How the session plans from now on: as Spark does by default (`on`: every optimizer
+    rule, generated Java code), or lean, for batches of a few records (interpreted
+    expressions, and without the optimizer rules of `LEAN_EXCLUDED_RULES`)."""
     spark.conf.set("spark.sql.codegen.wholeStage", str(on).lower())
     spark.conf.set("spark.sql.codegen.factoryMode", "FALLBACK" if on else "NO_CODEGEN")
+    if on:
+        spark.conf.unset("spark.sql.optimizer.excludedRules")
+    else:
+        spark.conf.set("spark.sql.optimizer.excludedRules", ",".join(LEAN_EXCLUDED_RULES))
 
 
-class BatchCodegen:
-    """Code generation for a live query's micro-batches, by their size.
+class BatchPlanning:
+    """How a live query plans its micro-batches, by their size.
 
-    Spark generates and compiles Java code for every batch's plan. On a batch of a few records,
-    as at tens of commands/s, writing that code costs more than interpreting the expressions
-    does (`bench/read_side.py batch`: 143 -> 109 ms a batch, and under load the command -> view
-    p50 at 50/s fell from 808 to 420 ms); on a whole log it pays (5.3 s against 6.2 s). So a
-    live query interprets while its batches are small, and generates code once one is large:
-    the batches after a large one (catching up) are likely large too.
+    Spark generates and compiles Java code for every batch's plan, and optimises it with every
+    rule. On a batch of a few records, as at tens of commands/s, writing that code costs more
+    than interpreting the expressions does (`bench/read_side.py batch`: 143 -> 109 ms a batch,
+    and under load the command -> view p50 at 50/s fell from 808 to 420 ms), and most
+    optimizer rules cost more than they save; on a whole log both pay (5.3 s against 6.2 s).
+    So a live query plans lean while its batches are small, and fully once one is large: the
+    batches after a large one (catching up) are likely large too.
     """
 
-    def __init__(self, from_records: int = CODEGEN_FROM_RECORDS) -> None:
+    def __init__(self, from_records: int = FULL_PLANNING_FROM_RECORDS) -> None:
         self.from_records = from_records
         self.on: bool | None = None
 
@@ -90,5 +130,5 @@ class BatchCodegen:
         the size of the last batch."""
         on = last_batch >= self.from_records
         if on != self.on:
-            codegen(spark, on)
+            full_planning(spark, on)
             self.on = on
