@@ -4,6 +4,7 @@
     .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
     .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
     .venv/bin/python bench/read_side.py batch --events 200000 --repeats 5
+    .venv/bin/python bench/read_side.py stages --rate 40 --duration 30 --repeats 2
 
 freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka and Postgres.
 Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
@@ -32,6 +33,13 @@ planned as Spark does (generated code, every optimizer rule) and lean (interpret
 expressions, fewer optimizer rules; `spark.session.full_planning`), side by side in one
 session; and the Kafka source alone reading one record from each of 12 partitions, by the
 consumer's fetch.max.wait.ms.
+
+stages: where a live micro-batch of the event query goes, by Spark's own durations of each
+batch (`StreamingQueryProgress.durationMs`: planning, the batch's job and `foreachBatch`, the
+two checkpoint files), plus the time the analyser's and optimizer's rules took per batch. The
+projector runs in this process, on Kafka and Postgres, while events arrive at --rate per
+second; each variant (the code as it is, and the code without one of its per-batch savings)
+runs --duration seconds after a warm-up, the variants alternating, --repeats rounds.
 """
 
 from __future__ import annotations
@@ -664,6 +672,84 @@ def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
         return {**results, "medians": medians}
 
 
+# The per-batch savings `stages` can leave out, one at a time.
+STAGE_VARIANTS = {
+    "current": {},
+    "every optimizer rule": {"lean_rules": ()},
+    "FileContext checkpoints": {
+        "spark.sql.streaming.checkpointFileManagerClass": (
+            "org.apache.spark.sql.execution.streaming.FileContextBasedCheckpointFileManager"
+        )
+    },
+}
+
+
+def stages(args: argparse.Namespace) -> dict[str, Any]:
+    import spark.session as spark_session
+    from spark.projector import Projector
+
+    with Stack() as settings:
+        write_log(settings, 2000)
+        spark = spark_session.session(settings, "logfold-bench", settings.projector_java_options)
+        rules = spark._jvm.org.apache.spark.sql.catalyst.rules.RuleExecutor  # type: ignore[union-attr]
+        lean = spark_session.LEAN_EXCLUDED_RULES
+        results: dict[str, Any] = {"benchmark": "stages", "rate_per_s": args.rate}
+
+        def feed(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                t = time.monotonic()
+                write_log(settings, max(1, int(args.rate / 5)), seed=random.randrange(1 << 30))
+                time.sleep(max(0.0, 0.2 - (time.monotonic() - t)))
+
+        for _ in range(args.repeats):
+            for name, variant in STAGE_VARIANTS.items():
+                spark_session.LEAN_EXCLUDED_RULES = variant.get("lean_rules", lean)
+                default = (
+                    "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
+                )
+                spark.conf.set(
+                    "spark.sql.streaming.checkpointFileManagerClass",
+                    variant.get("spark.sql.streaming.checkpointFileManagerClass", default),
+                )
+                projector = Projector(settings, spark, joins=[])
+                runner = threading.Thread(target=projector.run, daemon=True)
+                runner.start()
+                feed(15)  # warm-up
+                query = projector.queries["events"]
+                first = query.lastProgress["batchId"] if query.lastProgress else 0
+                rules.resetMetrics()
+                feed(args.duration)
+                progress = [p for p in query.recentProgress if p["batchId"] > first]
+                batches = query.lastProgress["batchId"] - first
+                # Nanoseconds in every rule since the reset, all queries of this process.
+                rule_ms = rules.getCurrentMetrics().time() / 1e6 / max(batches, 1)
+                projector.stop()
+                runner.join()
+                run = {
+                    "batches": batches,
+                    "rules_ms_per_batch": round(rule_ms, 1),
+                    **{
+                        f"{k}_ms": statistics.median(p["durationMs"].get(k, 0) for p in progress)
+                        for k in (
+                            "triggerExecution",
+                            "queryPlanning",
+                            "addBatch",
+                            "walCommit",
+                            "commitOffsets",
+                        )
+                    },
+                }
+                results.setdefault(name, []).append(run)
+        spark_session.LEAN_EXCLUDED_RULES = lean
+        spark.stop()
+        medians = {
+            name: {k: statistics.median(r[k] for r in results[name]) for k in results[name][0]}
+            for name in STAGE_VARIANTS
+        }
+        return {**results, "medians": medians}
+
+
 def copy_rate(settings: Settings, rows: int) -> float:
     """Rows/s of COPY into a table as wide as `orders`."""
     with psycopg.connect(settings.database()) as conn:
@@ -720,6 +806,10 @@ def main() -> None:
     b = sub.add_parser("batch", help="Spark's cost of one event-pipeline batch, small and large")
     b.add_argument("--events", type=int, default=200_000)
     b.add_argument("--repeats", type=int, default=5)
+    g = sub.add_parser("stages", help="where a live event-query batch goes, by Spark's stages")
+    g.add_argument("--rate", type=float, default=40, help="events per second")
+    g.add_argument("--duration", type=float, default=30)
+    g.add_argument("--repeats", type=int, default=2)
     i = sub.add_parser("idle", help="CPU of the whole stack left alone")
     i.add_argument("--duration", type=float, default=60)
     i.add_argument("--settle", type=float, default=60, help="seconds left alone before measuring")
@@ -733,7 +823,13 @@ def main() -> None:
             help="a setting for the stack's processes, e.g. LOGFOLD_SPARK_IDLE_POLL_MS=50",
         )
     args = parser.parse_args()
-    runs = {"freshness": freshness, "rebuild": rebuild, "idle": idle, "batch": batch_cost}
+    runs = {
+        "freshness": freshness,
+        "rebuild": rebuild,
+        "idle": idle,
+        "batch": batch_cost,
+        "stages": stages,
+    }
     result = runs[args.which](args)
     print(json.dumps(result, indent=2, default=str))
 
