@@ -703,7 +703,8 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(max(0.0, 0.2 - (time.monotonic() - t)))
 
         for _ in range(args.repeats):
-            for name, variant in STAGE_VARIANTS.items():
+            for name in args.variants:
+                variant = STAGE_VARIANTS[name]
                 spark_session.LEAN_EXCLUDED_RULES = variant.get("lean_rules", lean)
                 default = (
                     "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
@@ -745,7 +746,7 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
         spark.stop()
         medians = {
             name: {k: statistics.median(r[k] for r in results[name]) for k in results[name][0]}
-            for name in STAGE_VARIANTS
+            for name in args.variants
         }
         return {**results, "medians": medians}
 
@@ -810,6 +811,13 @@ def main() -> None:
     g.add_argument("--rate", type=float, default=40, help="events per second")
     g.add_argument("--duration", type=float, default=30)
     g.add_argument("--repeats", type=int, default=2)
+    g.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(STAGE_VARIANTS),
+        choices=list(STAGE_VARIANTS),
+        help="which to run (default: all)",
+    )
     i = sub.add_parser("idle", help="CPU of the whole stack left alone")
     i.add_argument("--duration", type=float, default=60)
     i.add_argument("--settle", type=float, default=60, help="seconds left alone before measuring")
