@@ -706,13 +706,8 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
             for name in args.variants:
                 variant = STAGE_VARIANTS[name]
                 spark_session.LEAN_EXCLUDED_RULES = variant.get("lean_rules", lean)
-                default = (
-                    "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
-                )
-                spark.conf.set(
-                    "spark.sql.streaming.checkpointFileManagerClass",
-                    variant.get("spark.sql.streaming.checkpointFileManagerClass", default),
-                )
+                key = "spark.sql.streaming.checkpointFileManagerClass"
+                spark.conf.set(key, variant.get(key, spark_session.CHECKPOINT_FILE_MANAGER))
                 projector = Projector(settings, spark, joins=[])
                 runner = threading.Thread(target=projector.run, daemon=True)
                 runner.start()

@@ -14,6 +14,9 @@ from stack.settings import Settings
 
 POM = Path(stack.__file__).parent / "spark" / "pom.xml"
 FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spark does
+CHECKPOINT_FILE_MANAGER = (
+    "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
+)
 
 
 def kafka_jars(settings: Settings) -> list[str]:
@@ -54,10 +57,7 @@ def session(settings: Settings, app_name: str, java_options: str = "") -> SparkS
         # default for checkpoints): writing a file and renaming it into place took ~20 ms
         # through FileContext and ~4 ms this way, twice in every micro-batch
         # (`docs/benchmarks.md`, freshness). A local rename is atomic either way.
-        .config(
-            "spark.sql.streaming.checkpointFileManagerClass",
-            "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager",
-        )
+        .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER)
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("WARN")
