@@ -277,6 +277,18 @@ def test_a_request_that_fails_part_way_leaves_none_of_its_records_visible(
         close_app(app)
 
 
+def every_thread_stopped(pid: int) -> bool:
+    """Whether each thread of `pid` is stopped (state `T` in its `/proc` stat line)."""
+    states = []
+    for task in os.scandir(f"/proc/{pid}/task"):
+        try:
+            with open(f"{task.path}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            continue
+    return bool(states) and all(state in "Tt" for state in states)
+
+
 def test_a_commit_kafka_does_not_acknowledge_is_504_not_503(
     own_broker: LocalKafka, base_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -294,6 +306,9 @@ def test_a_commit_kafka_does_not_acknowledge_is_504_not_503(
 
     def commit_to_a_paused_broker(self: Ingestion, producer: Any) -> None:
         os.kill(broker.pid, signal.SIGSTOP)
+        # A stop reaches each of the JVM's threads in its own time: one still running would
+        # answer the commit, as a broker that got it before pausing rightly does.
+        wait_until(lambda: every_thread_stopped(broker.pid), 10, "the broker to stop")
         real_commit(self, producer)
 
     try:
