@@ -49,8 +49,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.loadgen import percentile
 from bench.procstat import CpuMeter, rss_mib, threads, tree
-from bench.read_side import Stack, percentile, trivial_query
+from bench.read_side import Stack, trivial_query
 from bench.wsfleet import Fleet
 from stack.procs import wait_until
 from stack.settings import Settings

@@ -94,10 +94,19 @@ class _Connection:
 
 
 Body = Callable[[int], tuple[str, bytes]]  # request number -> (path, JSON body)
+# Called with each answer as it arrives: request number, status, body (599 and b"" when the
+# connection failed). Runs on the generator's loop: it must be quick.
+Answered = Callable[[int, int, bytes], None]
 
 
 async def _run(
-    urls: list[str], bearer: str, body: Body, rate: float, duration: float, connections: int
+    urls: list[str],
+    bearer: str,
+    body: Body,
+    rate: float,
+    duration: float,
+    connections: int,
+    answered: Answered | None = None,
 ) -> Result:
     pools: list[asyncio.Queue[_Connection]] = []
     for url in urls:
@@ -122,11 +131,13 @@ async def _run(
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
             ).encode()
             try:
-                status, _ = await conn.request(head, payload)
+                status, answer = await conn.request(head, payload)
             except (OSError, asyncio.IncompleteReadError):
-                status = 599
+                status, answer = 599, b""
         finally:
             pool.put_nowait(conn)
+        if answered is not None:
+            answered(i, status, answer)
         result.latencies.append(loop.time() - scheduled)
         result.statuses[status] = result.statuses.get(status, 0) + 1
 
@@ -153,13 +164,15 @@ def offered_load(
     rate: float,
     duration: float,
     connections: int = 256,
+    answered: Answered | None = None,
 ) -> Result:
-    """Send `rate` requests/s for `duration` s, spread over `urls` and `connections`."""
+    """Send `rate` requests/s for `duration` s, spread over `urls` and `connections`; each
+    answer is also handed to `answered`, if given."""
     # A full collection of the generator's heap would stall sends and receipts alike and count
     # as the system's latency: what is alive before the run is left out of collections.
     gc.collect()
     gc.freeze()
-    return asyncio.run(_run(urls, bearer, body, rate, duration, connections))
+    return asyncio.run(_run(urls, bearer, body, rate, duration, connections, answered))
 
 
 def renames(ids: list[str]) -> Body:

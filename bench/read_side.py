@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -66,6 +67,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import loadgen
+from bench.loadgen import percentile
 from bench.procstat import CpuMeter
 from commands.messages import Position
 from events.book import BookAdded
@@ -80,11 +83,6 @@ from stack.procs import free_port, wait_until
 from stack.settings import Settings
 from stack.topics import Topics, admin_client, create_topics
 from tests.support import SECRET, HttpApi, Processes, token
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
 class Stack:
@@ -185,7 +183,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                         for _ in range(args.repeats):
                             with Subscribing(url, subscribes) as subscribing:
                                 run = open_loop(
-                                    settings, rate, args.duration, posting(api, command), sql, meter
+                                    settings, rate, args.duration, posting(url, command), sql, meter
                                 )
                             runs.append({**run, "snapshots": subscribing.snapshots})
                         levels.append(
@@ -307,15 +305,45 @@ def warm_up(settings: Settings, api: HttpApi) -> tuple[str, list[str]]:
     return book, buyers
 
 
-def posting(api: HttpApi, command: Any) -> Any:
-    """`send(i)` for open_loop: post the i-th command; its aggregate id and when the 201 came."""
+def posting(url: str, command: Any) -> Drive:
+    """Post the i-th command (`command(i)` -> name, data) at the rate, from the light open-loop
+    generator (`bench/loadgen.py`: asyncio, keep-alive connections), which leaves the two
+    cores to the stack; a thread and an HTTP client per request took a third of a core at
+    200/s. Each 201 reports its aggregate id when its answer arrived."""
 
-    def send(i: int) -> tuple[str, float] | None:
-        name, body = command(i)
-        r = api.command(name, body)
-        return (r.body["aggregate_id"], time.perf_counter()) if r.status == 201 else None
+    def body(i: int) -> tuple[str, bytes]:
+        name, data = command(i)
+        return f"/commands/{name}", json.dumps({"data": data}).encode()
 
-    return send
+    def drive(rate: float, duration: float, sent: Sent) -> None:
+        def answered(_: int, status: int, answer: bytes) -> None:
+            acked = time.perf_counter()
+            sent(json.loads(answer)["aggregate_id"] if status == 201 else None, acked)
+
+        # As many connections as the threads of the client this replaced.
+        loadgen.offered_load([url], token(), body, rate, duration, 64, answered)
+
+    return drive
+
+
+def threaded(send: Callable[[int], tuple[str, float] | None]) -> Drive:
+    """Call `send(i)` (-> key and when it was acked, or None on a failure) at the rate, from
+    a pool of threads."""
+
+    def drive(rate: float, duration: float, sent: Sent) -> None:
+        start = time.perf_counter() + 0.2
+
+        def one(i: int) -> None:
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            answer = send(i)
+            sent(*(answer or (None, time.perf_counter())))
+
+        with ThreadPoolExecutor(max_workers=64) as pool:
+            list(pool.map(one, range(int(rate * duration))))
+
+    return drive
 
 
 def trivial_query(settings: Settings, rate: float, duration: float, repeats: int) -> dict[str, Any]:
@@ -369,7 +397,7 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
                 producer.send(topic, key=key.encode(), value=b"x").get(timeout=30)
                 return key, time.perf_counter()
 
-            runs.append(open_loop(settings, rate, duration, send, CEILING_SQL))
+            runs.append(open_loop(settings, rate, duration, threaded(send), CEILING_SQL))
         return {
             "p50_ms": statistics.median(r["p50_ms"] for r in runs),
             "p99_ms": statistics.median(r["p99_ms"] for r in runs),
@@ -389,19 +417,23 @@ def visible(settings: Settings, key: str) -> bool:
         return conn.execute(CEILING_SQL, ([key],)).fetchone() is not None
 
 
+Sent = Callable[[str | None, float], None]  # a key (None: the request failed), when acked
+Drive = Callable[[float, float, Sent], None]  # rate, duration, where each answer goes
+
+
 def open_loop(
     settings: Settings,
     rate: float,
     duration: float,
-    send: Any,
+    drive: Drive,
     sql: str,
     meter: CpuMeter | None = None,
 ) -> dict[str, Any]:
-    """Call `send(i)` (-> key and when it was acked, or None on a failure) at `rate` for
-    `duration` s; the latency of each key until `sql` (keys = ANY(%s)) finds it."""
+    """Run `drive` (`threaded` or `posting`) at `rate` for `duration` s; the latency of each
+    key it reports until `sql` (keys = ANY(%s)) finds it."""
     pending: dict[str, float] = {}
     lags: list[float] = []
-    failed = 0
+    failed = total = 0
     lock, done, give_up = threading.Lock(), threading.Event(), threading.Event()
 
     def monitor() -> None:
@@ -417,26 +449,20 @@ def open_loop(
                             lags.append(now - pending.pop(k))
                 time.sleep(0.01)
 
-    watcher = threading.Thread(target=monitor)
-    watcher.start()
-    total, start = int(rate * duration), time.perf_counter() + 0.2
-    if meter:
-        meter.start()
-
-    def one(i: int) -> None:
-        nonlocal failed
-        delay = start + i / rate - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        sent = send(i)
+    def sent(key: str | None, acked: float) -> None:
+        nonlocal failed, total
         with lock:
-            if sent is None:
+            total += 1
+            if key is None:
                 failed += 1
             else:
-                pending[sent[0]] = sent[1]
+                pending[key] = acked
 
-    with ThreadPoolExecutor(max_workers=64) as pool:
-        list(pool.map(one, range(total)))
+    watcher = threading.Thread(target=monitor)
+    watcher.start()
+    if meter:
+        meter.start()
+    drive(rate, duration, sent)
     done.set()
     watcher.join(timeout=300)
     give_up.set()  # what is still pending counts as not visible

@@ -37,7 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import closed_loop
-from bench.read_side import Stack, open_loop, start_processes, started, warm_up
+from bench.read_side import Stack, open_loop, start_processes, started, threaded, warm_up
 from events.partitioning import partition_for
 from events.serialization import dumps
 from stack.settings import Settings
@@ -242,7 +242,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             result: dict[str, Any] = {"benchmark": "streams-freshness", "rate": args.rate}
             for name, (send, sql) in cases.items():
                 runs = [
-                    open_loop(settings, args.rate, args.duration, send, sql)
+                    open_loop(settings, args.rate, args.duration, threaded(send), sql)
                     for _ in tqdm(range(args.repeats), desc=name, unit="run")
                 ]
                 result[name] = {
