@@ -67,4 +67,4 @@ def close_app(app: Flask) -> None:
     app.extensions["logfold.hub"].stop()
     app.extensions["logfold.bus"].close()
     app.extensions["logfold.ingestion"].close()
-    app.extensions["logfold.read_model"].close_offsets()
+    app.extensions["logfold.read_model"].close()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
 
@@ -17,6 +19,7 @@ from cdc.capture import slot_name
 from cdc.changes import Snapshot
 from commands.messages import Position
 from projections.base import Fold, View
+from projections.progress import CHANNEL
 from projections.progress import table as progress_table
 from projections.registry import FOLDS, writers
 from projections.wire import wire_row, wire_value
@@ -24,14 +27,88 @@ from stack.migrate import sqlalchemy_url
 from stack.settings import Settings
 from stack.topics import Topics, partition_of
 
+log = logging.getLogger(__name__)
 
-def _poll(check: Callable[[], bool], deadline: float) -> bool:
-    """Whether `check()` became true before `deadline` (time.monotonic), polling every 50 ms."""
-    while not check():
-        if time.monotonic() > deadline:
+POLL_S = 0.05  # between looks, with nothing to say when to look again
+SIGNALLED_POLL_S = 1.0  # between looks while progress is signalled (in case one is missed)
+
+
+class ProgressSignal:
+    """Says when any fold's progress was written: Postgres notifies `CHANNEL` at the commit of
+    every transaction that writes progress rows (a trigger, migration 0011), which a thread of
+    its own LISTENs for on a connection of its own, started at the first use. While it cannot
+    listen (Postgres down, the connection lost), `listening` is False and waiters poll."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.listening = False
+        self._generation = 0  # notifications seen (and reconnections: one may have been missed)
+        self._changed = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def seen(self) -> int:
+        """What has been signalled so far, for `wait`."""
+        with self._changed:
+            if self._thread is None and not self._stopping.is_set():
+                self._thread = threading.Thread(
+                    target=self._listen, name="progress-signal", daemon=True
+                )
+                self._thread.start()
+            return self._generation
+
+    def wait(self, seen: int, timeout: float) -> None:
+        """Until something is signalled after `seen`, or for `timeout` s."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != seen, max(timeout, 0.0))
+
+    def close(self) -> None:
+        self._stopping.set()
+        with self._changed:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def _signal(self, listening: bool) -> None:
+        with self._changed:
+            self.listening = listening
+            self._generation += 1
+            self._changed.notify_all()
+
+    def _listen(self) -> None:
+        backoff = 0.5
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(self.url, autocommit=True, connect_timeout=3) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._signal(listening=True)  # what changed before is looked at again
+                    backoff = 0.5
+                    while not self._stopping.is_set():
+                        for _ in conn.notifies(timeout=1.0, stop_after=1):
+                            self._signal(listening=True)
+            except psycopg.Error as e:
+                if self.listening:
+                    log.warning("not listening for progress (%s); waiters poll", e)
+                self._signal(listening=False)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+
+def _poll(check: Callable[[], bool], deadline: float, signal: ProgressSignal | None = None) -> bool:
+    """Whether `check()` became true before `deadline` (time.monotonic): looked at again each
+    time `signal` says progress was written (and at least every second), or every 50 ms while
+    there is no signal to wait for."""
+    while True:
+        seen = signal.seen() if signal is not None else 0
+        if check():
+            return True
+        left = deadline - time.monotonic()
+        if left < 0:
             return False
-        time.sleep(0.05)
-    return True
+        if signal is not None and signal.listening:
+            signal.wait(seen, min(SIGNALLED_POLL_S, left))
+        else:
+            time.sleep(POLL_S)
 
 
 class BadValue(ValueError):
@@ -89,6 +166,7 @@ class ReadModel:
         self._ends: tuple[float, dict[str, int]] = (0.0, {})
         self._lock = threading.Lock()
         self._offsets: KafkaConsumer | None = None  # kept: a new client per call was costly
+        self.signal = ProgressSignal(settings.api_database())
 
     def rows(
         self, output: View, filters: dict[str, str], limit: int, cursor: str | None
@@ -183,7 +261,7 @@ class ReadModel:
         every change committed before it) and (3) it has applied its changelogs up to their
         ends as they were then. A fold that depends on neither never needs to wait."""
         if self.reads(fold, position):
-            return _poll(lambda: self.includes(fold, position), deadline)
+            return _poll(lambda: self.includes(fold, position), deadline, self.signal)
         feeders = [w for w in writers(fold) if self._depends(w, position)]
         if not feeders:
             return True
@@ -201,7 +279,7 @@ class ReadModel:
             done = self.progress().get(fold.name, {}).get("offsets", {})
             return all(int(done.get(k, -1)) >= end - 1 for k, end in ends.items())
 
-        return _poll(applied, deadline)
+        return _poll(applied, deadline, self.signal)
 
     def _depends(self, fold: Fold, position: Position) -> bool:
         """Whether the event at `position` can change what `fold` writes."""
@@ -246,6 +324,10 @@ class ReadModel:
             self.close_offsets()
             raise
         return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
+
+    def close(self) -> None:
+        self.signal.close()
+        self.close_offsets()
 
     def close_offsets(self) -> None:
         if self._offsets is not None:

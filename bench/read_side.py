@@ -5,6 +5,7 @@
     .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
     .venv/bin/python bench/read_side.py batch --events 200000 --repeats 5
     .venv/bin/python bench/read_side.py stages --rate 40 --duration 30 --repeats 2
+    .venv/bin/python bench/read_side.py through-the-api --count 50 --repeats 3
 
 freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka and Postgres.
 Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
@@ -15,6 +16,13 @@ The ceiling, measured first in the same run (Kafka and Postgres up, nothing else
 produced at the same rate into a topic read by a trivial Structured Streaming query (Kafka
 source tuned as the projector's, no trigger interval) whose foreachBatch collects the batch and
 inserts its keys into a Postgres table; from the producer's ack to the row being visible.
+
+through-the-api: read-your-writes as a client does it, on the whole stack as freshness runs it,
+one command at a time: its 201, then a read of its row with `consistent_with` (the API waits
+until the view includes the command's position); from the 201 until the API answered, and
+until the row was visible in Postgres (watched every 5 ms at the same time): the difference is
+what the API's waiting adds. `customers` after `register-customer`, the joined
+`order_summaries` after `place-order`.
 
 idle: the whole stack as `make run` starts it (processor, projector, CDC, API, Kafka,
 Postgres), warmed by one command and caught up, then left alone (a settling minute first, while
@@ -134,6 +142,18 @@ def start_processes(
     return url, CpuMeter(roots, alone=("bench",))
 
 
+def start_warmed(stack: Stack, procs: Processes) -> tuple[HttpApi, CpuMeter]:
+    """Every process of the stack (`start_processes`), returned once the API answers and, as
+    `make run` waits for before its banner, every projection and join is warmed and started."""
+    settings = procs.settings
+    with psycopg.connect(settings.database()) as conn:
+        (spawned,) = conn.execute("SELECT now()").fetchone() or (None,)
+    url, meter = start_processes(stack, procs)
+    procs.wait_processing(url, 1)
+    wait_until(lambda: started(settings, spawned), 300, "the projector's warm-up")
+    return HttpApi(url, token()), meter
+
+
 def freshness(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(args.partitions)
     with stack as settings:
@@ -144,13 +164,8 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
         # INFO: the projector logs each batch's timings, for reading the results.
         procs = Processes(settings, stack.work, {"LOGFOLD_LOG_LEVEL": "INFO", **extra(args)})
         try:
-            with psycopg.connect(settings.database()) as conn:
-                (spawned,) = conn.execute("SELECT now()").fetchone() or (None,)
-            url, meter = start_processes(stack, procs)
-            procs.wait_processing(url, 1)
-            api = HttpApi(url, token())
-            # As `make run` does before its banner: every projection and join warmed and started.
-            wait_until(lambda: started(settings, spawned), 300, "the projector's warm-up")
+            api, meter = start_warmed(stack, procs)
+            url = api.base_url
             first_reads = [read_your_write(settings, api) for _ in range(5)]
             book, buyers = warm_up(settings, api)
             views: dict[str, Any] = {
@@ -278,6 +293,86 @@ def read_your_write(settings: Settings, api: HttpApi) -> float:
                 raise TimeoutError(f"customer {cid} not visible after 60 s")
             time.sleep(0.005)
     return (time.perf_counter() - acked) * 1e3
+
+
+def through_the_api(args: argparse.Namespace) -> dict[str, Any]:
+    stack = Stack()
+    with stack as settings:
+        procs = Processes(settings, stack.work, extra(args))
+        try:
+            api, _ = start_warmed(stack, procs)
+            book, buyers = warm_up(settings, api)
+            commands = {
+                "customers": lambda i: (
+                    "register-customer",
+                    {"name": f"r{i}", "email": f"r{i}@example.com"},
+                    "SELECT 1 FROM customers WHERE customer_id = %s",
+                ),
+                "order_summaries": lambda i: (
+                    "place-order",
+                    {
+                        "customer_id": buyers[i % len(buyers)],
+                        "lines": [{"book_id": book, "quantity": 1}],
+                    },
+                    "SELECT 1 FROM order_summaries "
+                    "WHERE order_id = %s AND customer_name IS NOT NULL",
+                ),
+            }
+            result: dict[str, Any] = {"benchmark": "read-your-writes", "count": args.count}
+            for view, command in commands.items():
+                runs = []
+                for _ in tqdm(range(args.repeats), desc=view, unit="run"):
+                    answered, visible = [], []
+                    for i in range(args.count):
+                        a, v = read_through_the_api(settings, api, view, *command(i))
+                        answered.append(a)
+                        visible.append(v)
+                    runs.append(
+                        {
+                            "answered_p50_ms": percentile(answered, 0.5),
+                            "answered_p99_ms": percentile(answered, 0.99),
+                            "visible_p50_ms": percentile(visible, 0.5),
+                            "visible_p99_ms": percentile(visible, 0.99),
+                        }
+                    )
+                result[view] = {
+                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                    "runs": runs,
+                }
+            return result
+        finally:
+            procs.stop()
+
+
+def read_through_the_api(
+    settings: Settings, api: HttpApi, view: str, name: str, data: dict[str, Any], sql: str
+) -> tuple[float, float]:
+    """One command, then its read-your-write through the API (`consistent_with`, waiting up to
+    30 s) and, at the same time, a watch on the row in Postgres every 5 ms: ms from the 201
+    until the API answered, and until the row was visible."""
+    r = api.command(name, data)
+    acked, key, at = time.perf_counter(), r.body["aggregate_id"], r.body["position"]
+    seen: list[float] = []
+
+    def watch() -> None:
+        with psycopg.connect(settings.database(), autocommit=True) as conn:
+            while conn.execute(sql, (key,)).fetchone() is None:
+                if time.perf_counter() - acked > 60:
+                    return
+                time.sleep(0.005)
+            seen.append(time.perf_counter())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    got = api.get(
+        f"/views/{view}/{key}?consistent_with={at}&wait=30",
+        headers={"Authorization": f"Bearer {api.bearer}"},
+    )
+    answered = time.perf_counter()
+    watcher.join()
+    if got.status_code != 200 or not seen:
+        raise RuntimeError(f"{view} {key}: {got.status_code} {got.text[:200]}")
+    return (answered - acked) * 1e3, (seen[0] - acked) * 1e3
 
 
 def warm_up(settings: Settings, api: HttpApi) -> tuple[str, list[str]]:
@@ -839,11 +934,17 @@ def main() -> None:
         choices=list(STAGE_VARIANTS),
         help="which to run (default: all)",
     )
+    w = sub.add_parser(
+        "through-the-api",
+        help="read-your-writes through the API (consistent_with), one command at a time",
+    )
+    w.add_argument("--count", type=int, default=50, help="commands per run")
+    w.add_argument("--repeats", type=int, default=3)
     i = sub.add_parser("idle", help="CPU of the whole stack left alone")
     i.add_argument("--duration", type=float, default=60)
     i.add_argument("--settle", type=float, default=60, help="seconds left alone before measuring")
     i.add_argument("--repeats", type=int, default=3)
-    for p in (f, i):
+    for p in (f, i, w):
         p.add_argument(
             "--set",
             action="append",
@@ -858,6 +959,7 @@ def main() -> None:
         "idle": idle,
         "batch": batch_cost,
         "stages": stages,
+        "through-the-api": through_the_api,
     }
     result = runs[args.which](args)
     print(json.dumps(result, indent=2, default=str))

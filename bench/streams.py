@@ -37,13 +37,20 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import closed_loop
-from bench.read_side import Stack, open_loop, start_processes, started, threaded, warm_up
+from bench.read_side import (
+    Stack,
+    open_loop,
+    start_processes,
+    start_warmed,
+    threaded,
+    warm_up,
+)
 from events.partitioning import partition_for
 from events.serialization import dumps
 from stack.settings import Settings
 from stack.topics import admin_client
 from streams.ingest import FactRecord
-from tests.support import HttpApi, Processes, token
+from tests.support import Processes, token
 
 PER_REQUEST = 1000
 
@@ -174,14 +181,8 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
     with stack as settings:
         procs = Processes(settings, stack.work)
         try:
-            import psycopg
-
-            with psycopg.connect(settings.database()) as conn:
-                (spawned,) = conn.execute("SELECT now()").fetchone() or (None,)
-            url, _ = start_processes(stack, procs)
-            procs.wait_processing(url, 1)
-            api = HttpApi(url, token())
-            wait_until_started(settings, spawned)
+            api, _ = start_warmed(stack, procs)
+            url = api.base_url
             book, buyers = warm_up(settings, api)
             stream = requests.Session()
             headers = {"Authorization": f"Bearer {token('streams:write')}"}
@@ -253,12 +254,6 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             return result
         finally:
             procs.stop()
-
-
-def wait_until_started(settings: Settings, spawned: Any) -> None:
-    from stack.procs import wait_until
-
-    wait_until(lambda: started(settings, spawned), 300, "the projector's warm-up")
 
 
 def main() -> None:

@@ -29,6 +29,10 @@ table = Table(
     Column("data_loss", JSONB),
 )
 
+# Postgres notifies this channel whenever progress rows are written (a trigger, migration
+# 0011), once per transaction: readers waiting for a position look again then.
+CHANNEL = "logfold_progress"
+
 # The ids of stream records each fold has counted (guarantee 20), kept while a copy of the
 # record could still be on time (spark.event_pipeline.keep_ids). A rebuild counts under
 # `<fold>__rebuild`, which replaces the fold's own ids at the swap.
