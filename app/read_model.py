@@ -86,12 +86,13 @@ class ProgressSignal:
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self._signal(listening=True)
-            except psycopg.Error as e:
+            except Exception as e:  # whatever it was, waiters poll until it listens again
                 if self.listening:
                     log.warning("not listening for progress (%s); waiters poll", e)
                 self._signal(listening=False)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+        self._signal(listening=False)
 
 
 def _poll(check: Callable[[], bool], deadline: float, signal: ProgressSignal | None = None) -> bool:
