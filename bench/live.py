@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import threading
@@ -231,7 +230,6 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             }
         finally:
             procs.stop()
-            _keep_logs_on_error(stack)
 
 
 def _freshness_run(
@@ -322,13 +320,6 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _keep_logs_on_error(stack: Stack) -> None:
-    if sys.exc_info()[0] is None:
-        shutil.rmtree(stack.work, ignore_errors=True)
-    else:
-        print(f"logs kept in {stack.work}", file=sys.stderr)
-
-
 # -- fanout ---------------------------------------------------------------------------------
 
 
@@ -417,7 +408,6 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
             for fleet in fleets:
                 fleet.close()
             procs.stop()
-            _keep_logs_on_error(stack)
 
 
 def _seed(settings: Settings, rows: int) -> list[str]:

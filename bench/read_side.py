@@ -56,6 +56,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,9 +121,14 @@ class Stack:
         assert self.kafka.proc is not None and self.pg.proc is not None
         return {"kafka": self.kafka.proc.pid, "postgres": self.pg.proc.pid}
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
         self.pg.stop()
         self.kafka.stop()
+        # The broker's log, the database and the processes' logs: gigabytes after a rebuild.
+        if error is None:
+            shutil.rmtree(self.work, ignore_errors=True)
+        else:
+            print(f"logs kept in {self.work}", file=sys.stderr)
 
 
 def start_processes(
