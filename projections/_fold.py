@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAID_LINE",
+    "PAID_LINES",
     "F",
     "each_paid_line",
     "field",
@@ -41,6 +42,7 @@ __all__ = [
     "row",
     "royalty_cents",
     "when_type",
+    "with_parsed",
 ]
 
 PAID_LINE = StructType(
@@ -123,11 +125,27 @@ def one(table: Table, condition: Column, **columns: Column) -> Column:
 
 def each_paid_line(table: Table, make: Callable[[Column], dict[str, Column]]) -> Column:
     """For an OrderPaid, one row of `table` per paid line (`make(line)` gives its columns,
-    from the line's fields: `PAID_LINE`); none for any other event."""
-    lines = F.when(
-        F.col("type") == "OrderPaid", F.from_json(field("lines"), ArrayType(PAID_LINE))
-    ).otherwise(F.array().cast(ArrayType(PAID_LINE)))
+    from the line's fields: `PAID_LINE`); none for any other event. Reads the lines parsed
+    once per event (`with_parsed`)."""
+    lines = F.coalesce(F.col(PAID_LINES), F.array().cast(ArrayType(PAID_LINE)))
     return F.transform(lines, lambda line: row(table, **make(line)))
+
+
+# -- fields several projections read, parsed once per event ----------------------------------
+
+PAID_LINES = "paid_lines"  # an OrderPaid's lines (`PAID_LINE`); null for any other event
+
+
+def with_parsed(events: DataFrame) -> DataFrame:
+    """`events` with the fields several projections read parsed once per event, as columns
+    (`PAID_LINES`), unless it has them already. Four views read an order's paid lines; parsing
+    their JSON in each view's rows cost a rebuild more than the rest of those folds
+    (`docs/benchmarks.md`, rebuild). Whoever hands events to `rows()` passes them through
+    here (a cached read does so before caching)."""
+    if PAID_LINES in events.columns:
+        return events
+    lines = F.from_json(field("lines"), ArrayType(PAID_LINE))
+    return events.withColumn(PAID_LINES, F.when(F.col("type") == "OrderPaid", lines))
 
 
 def row_type(table: Table) -> StructType:
@@ -139,7 +157,7 @@ def row_type(table: Table) -> StructType:
 
 def fold(output: Output, events: DataFrame) -> DataFrame:
     """One row per key: every event's rows combined by the output's merge rules."""
-    rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
+    rows = with_parsed(events).select(F.explode(output.rows()).alias("row")).select("row.*")
     vc = output.version_column
     aggs = []
     for column in output.table.columns:

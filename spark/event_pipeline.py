@@ -41,6 +41,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from events.catalog import EVENTS_BY_AGGREGATE
+from projections._fold import with_parsed
 from projections.base import Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
@@ -159,7 +160,8 @@ def share_of(
 
 def upcast_rows(batch: DataFrame, rows: list[Any], columns: list[Column]) -> list[Any]:
     """Replace the rows of events at an older schema version by those of their upcast form."""
-    fixed = upcast(batch).withColumn("current", F.lit(True)).select(*position(), *columns)
+    upcast_ = with_parsed(upcast(batch).withColumn("current", F.lit(True)))
+    fixed = upcast_.select(*position(), *columns)
     found = {(r[TOPIC], r[PARTITION], r[OFFSET]): r for r in fixed.collect()}
     return [r if r[CURRENT] else found.get((r[TOPIC], r[PARTITION], r[OFFSET]), r) for r in rows]
 
@@ -185,7 +187,8 @@ def replay(
     columns = [rows_json(o).alias(o.name) for o in p.outputs]
     reads = frozenset(p.reads(topics, settings.partitions))
     streams = frozenset(topics.stream(s) for s in p.streams)
-    mine = unapplied(events.where(F.col("topic").isin(*p.topic_names(topics))), offsets)
+    of_p = with_parsed(events).where(F.col("topic").isin(*p.topic_names(topics)))
+    mine = unapplied(of_p, offsets)
     selected = mine.select(*position(), *columns)
     late = F.lit(False)
     if p.lateness is not None:
@@ -374,7 +377,7 @@ class EventSink:
         expressions once, when the query starts, instead of once per batch (where a `select`
         in `foreachBatch` would put them); a batch then only optimises its plan."""
         columns = [c for p in self.projections for c in self.columns[p.name]]
-        return events.select("*", *position()[LOG_US:], *columns)
+        return with_parsed(events).select("*", *position()[LOG_US:], *columns)
 
     def warm(self, spark: SparkSession, rounds: int = 3) -> None:
         """Run the batch job on made-up events of every type, writing nothing: the first
@@ -404,7 +407,7 @@ class EventSink:
             if len(projections) <= 1:
                 raise
             log.warning("a projection's rows failed (%s); collecting each alone", first_line(e))
-        alone = events()
+        alone = with_parsed(events())
         parts: list[list[Any]] = []
         errors: dict[str, str] = {}
         for p in projections:

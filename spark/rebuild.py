@@ -34,20 +34,20 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from tqdm import tqdm
 
+from projections._fold import with_parsed
 from projections.base import Output, Projection
 from spark.decode import (
     between_json,
     decode_events,
-    events_of,
     every_event,
     parse_events,
     read_batch,
+    upcast,
 )
 from spark.event_pipeline import replay
 from spark.sink import (
     apply_events,
     bulk_load,
-    last_offsets,
     lock_progress,
     move_stream_ids,
     read_progress,
@@ -128,18 +128,26 @@ class Rebuild:
         started = time.monotonic()
         names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
-        parsed = parse_events(raw, self._streams(projections)).persist()
+        # One cached read: every record decoded, with the fields several views read parsed
+        # (`with_parsed`); a record's bytes are kept only if the upcasters must decode it.
+        records = every_event(parse_events(raw, self._streams(projections)))
+        records = records.withColumn("value", F.when(~F.col("current"), F.col("value")))
+        decoded = with_parsed(records).persist()
         covered: dict[str, dict[str, int]] = {}
         counted: dict[str, tuple[int, int]] = {}  # events applied and late, as the live counts
         load: dict[str, float] = {}
         try:
-            old = parsed.where(~F.col("current")).count()  # reads the log, once, into the cache
-            # Every record decoded at its type's current version (the replay's `current`).
-            events = events_of(parsed, upcast=old > 0).withColumn("current", F.lit(True)).persist()
+            seen, counts, old = _survey(decoded)  # reads the log, once, into the cache
+            events = decoded
+            if old:
+                # Every record decoded at its type's current version (the replay's `current`).
+                upcast_ = with_parsed(upcast(decoded))
+                events = decoded.where("current").unionByName(upcast_)
+                events = events.withColumn("current", F.lit(True)).persist()
             try:
-                seen, _ = last_offsets(events)  # fills the events' cache
-                parsed.unpersist()
-                counts = self._counts(events)
+                if old:
+                    events.count()  # fills the upcast events' cache
+                    decoded.unpersist()
                 shares = {p.name: self._share(p, counts) for p in projections}
                 self._create_shadows(projections)
                 read = time.monotonic() - started
@@ -168,7 +176,7 @@ class Rebuild:
             finally:
                 events.unpersist()
         finally:
-            parsed.unpersist()
+            decoded.unpersist()
         loaded = time.monotonic()
 
         def swap(p: Projection) -> Report:
@@ -188,10 +196,6 @@ class Rebuild:
 
     def _names(self, projection: Projection) -> list[str]:
         return projection.topic_names(self.topics)
-
-    def _counts(self, events: DataFrame) -> dict[str, int]:
-        rows = events.groupBy("topic").count().collect()
-        return {r["topic"]: int(r["count"]) for r in rows}
 
     def _share(self, projection: Projection, counts: dict[str, int]) -> int:
         return sum(counts.get(n, 0) for n in self._names(projection))
@@ -314,6 +318,25 @@ class Rebuild:
                 (Jsonb(live), applied, late, projection.name),
             )
         return report
+
+
+def _survey(records: DataFrame) -> tuple[dict[str, int], dict[str, int], int]:
+    """Of a read's decoded `records`: the last offset of each topic-partition, the records of
+    each topic, and how many are not at their type's current version."""
+    rows = (
+        records.groupBy("topic", "partition")
+        .agg(
+            F.max("offset").alias("last"),
+            F.count("*").alias("n"),
+            F.count_if(~F.col("current")).alias("old"),
+        )
+        .collect()
+    )
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["topic"]] = counts.get(r["topic"], 0) + int(r["n"])
+    seen = {f"{r['topic']}:{r['partition']}": int(r["last"]) for r in rows}
+    return seen, counts, sum(int(r["old"]) for r in rows)
 
 
 def _count(conn: psycopg.Connection[Any], table: str) -> int:

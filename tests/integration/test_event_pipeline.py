@@ -5,7 +5,7 @@ Postgres and Spark:
   /metrics, with the error and the offsets it could not get past) while the others in the same
   query go on; once fixed and restarted it catches up from its own progress and rejoins;
 - events at an older schema version, in a batch with current ones, are folded in their
-  upcast form (the Python upcasters run only for them);
+  upcast form (the Python upcasters run only for them), live and in a rebuild;
 - records deleted from the log before a projection applied them are reported, not skipped in
   silence."""
 
@@ -22,15 +22,18 @@ from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app import close_app, create_app
+from events.book import BookAdded
 from events.customer import CustomerRegistered
-from events.order import OrderPlaced, PlacedLine
+from events.order import OrderPaid, OrderPlaced, PlacedLine
 from events.partitioning import partition_for
 from projections import customers, orders
 from projections.base import Output, Projection
+from projections.registry import PROJECTIONS
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
 from tests.integration.test_upcasting import produce_raw, v1_customer_registered
+from tests.oracle import differences
 from tests.support import append_events, health_component, new_deployment, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -194,6 +197,35 @@ def test_old_schema_events_are_folded_upcast_in_a_batch_with_current_ones(
             ).fetchall()
         )
     assert rows == {legacy: "grace@example.com", current: f"{current}@x.org"}
+
+
+def test_a_rebuild_folds_old_schema_events_upcast_beside_current_ones(
+    base_settings: Settings, spark: Any
+) -> None:
+    """A rebuild decodes the whole log in Spark once; the records at an older schema version
+    go through the upcasters and every view, those reading an order's paid lines too, comes
+    out as the fold of the upcast log."""
+    from spark.rebuild import Rebuild
+
+    settings = new_deployment(base_settings)
+    legacy = f"legacy-{uuid.uuid4().hex[:10]}"
+    produce_raw(settings, legacy, json.dumps(v1_customer_registered(legacy)).encode())
+    line = PlacedLine("b-1", 2, 900, "Le Guin", 0.1)
+    append_events(settings, "customer", "c-1", (1, CustomerRegistered("Ursula", "u@x.org"), AT))
+    append_events(
+        settings, "book", "b-1", (1, BookAdded("The Dispossessed", "Le Guin", 900, 0.1), AT)
+    )
+    placed, paid = OrderPlaced("c-1", (line,), 1800), OrderPaid(1800, (line,))
+    append_events(settings, "order", "o-1", (1, placed, AT), (2, paid, AT))
+
+    Rebuild(settings, spark).run_many(list(PROJECTIONS.values()), progress=False)
+
+    assert differences(settings) == {}
+    with psycopg.connect(settings.database()) as conn:
+        emails = dict(conn.execute("SELECT customer_id, email FROM customers").fetchall())
+        royalties = conn.execute("SELECT author, units_sold FROM author_royalties").fetchall()
+    assert emails == {legacy: "grace@example.com", "c-1": "u@x.org"}
+    assert royalties == [("Le Guin", 2)]
 
 
 def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
