@@ -126,6 +126,21 @@ class Output(View):
         runs without it (it reads what an earlier one staged)."""
         return [self.merge_sql(self.name + suffix, rows)]
 
+    @property
+    def staged(self) -> str | None:
+        """If its merge first stages a batch's rows in a table of their own (then reads them
+        from there), that table's columns (SQL: `name type, …`, the fields of `rows()`);
+        `merge_staged_statements` merges rows staged in any table of these columns. A rebuild
+        then COPYs the whole log's rows into one instead of handing them over as JSON. Such a
+        merge must give the same table whatever order a batch's rows are merged in, in parts.
+        None by default."""
+        return None
+
+    def merge_staged_statements(self, suffix: str, staged: str) -> list[str]:
+        """The statements that merge the rows staged in table `staged` (see `staged`) into
+        this table and its state tables, each name + `suffix`, in one transaction."""
+        raise NotImplementedError(f"output {self.name} stages no rows")
+
     def prune_statements(self, suffix: str) -> list[str]:
         """The statements that drop the state nothing on time can need any more, run once
         after all of a batch's rows are merged (a large batch is merged in several runs of

@@ -102,28 +102,37 @@ class Conversions(Output):
     def replayed(self) -> bool:
         return True
 
+    @property
+    def staged(self) -> str:
+        return BATCH_COLUMNS
+
     def merge_statements(self, suffix: str, rows: str) -> list[str]:
-        t, views, orders = (
-            self.name + suffix,
-            f"conversion_views{suffix}",
-            f"conversion_orders{suffix}",
-        )
         # The batch's rows, read from their JSON once into a scratch table of the session
         # (emptied by each batch and at commit): every later statement reads them from there.
-        within = _seconds(self.within)
-        day = "(at AT TIME ZONE 'UTC')::date"
         return [
             f"CREATE TEMP TABLE IF NOT EXISTS {BATCH} ({BATCH_COLUMNS}) ON COMMIT DELETE ROWS",
             f"DELETE FROM {BATCH}",
             f"INSERT INTO {BATCH} SELECT * FROM json_to_recordset({rows}::json) "
             f"AS r ({BATCH_COLUMNS})",
+            *self.merge_staged_statements(suffix, BATCH),
+        ]
+
+    def merge_staged_statements(self, suffix: str, staged: str) -> list[str]:
+        t, views, orders = (
+            self.name + suffix,
+            f"conversion_views{suffix}",
+            f"conversion_orders{suffix}",
+        )
+        within = _seconds(self.within)
+        day = "(at AT TIME ZONE 'UTC')::date"
+        return [
             # The newest event time of the whole batch, for `prune_statements`.
             f"""
 SELECT set_config('{_newest(suffix)}', greatest({_newest_sql(suffix)},
-    (SELECT max(at) FROM {BATCH}))::text, true)""",
+    (SELECT max(at) FROM {staged}))::text, true)""",
             f"""
 INSERT INTO {orders} (order_id, book_id, customer_id, at)
-SELECT id, book_id, customer_id, at FROM {BATCH} WHERE kind = 'order'
+SELECT id, book_id, customer_id, at FROM {staged} WHERE kind = 'order'
 ON CONFLICT DO NOTHING""",
             f"""
 WITH new AS (
@@ -133,7 +142,7 @@ WITH new AS (
         WHERE o.customer_id = r.customer_id AND o.book_id = r.book_id
         AND o.at >= r.at AND o.at <= r.at + {within}
     )
-    FROM {BATCH} r WHERE kind = 'view'
+    FROM {staged} r WHERE kind = 'view'
     ON CONFLICT DO NOTHING
     RETURNING book_id, at, converted
 )
@@ -143,7 +152,7 @@ ON CONFLICT (book_id, day) DO UPDATE SET views = t.views + excluded.views,
     converted_views = t.converted_views + excluded.converted_views""",
             f"""
 WITH new AS (
-    SELECT customer_id, book_id, at FROM {BATCH} WHERE kind = 'order'
+    SELECT customer_id, book_id, at FROM {staged} WHERE kind = 'order'
 ), converted AS (
     UPDATE {views} v SET converted = TRUE
     WHERE NOT v.converted AND EXISTS (

@@ -48,6 +48,7 @@ from spark.gaps import Gaps, check_gaps
 from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.sink import (
     Reconnecting,
+    bulk_load,
     count_once,
     ensure_progress,
     lock_many,
@@ -227,12 +228,39 @@ def replay(
         return offsets, 0, 0
     # Events that add no rows (`[]`) are left out here, not by Spark: a filter on the rows
     # would have Spark work each event's rows out twice (in the filter and in the select).
-    found = counted.where(~late).select(*(o.name for o in p.outputs)).toArrow()
-    for o in p.outputs:  # in log order, as `share_of` lists the rows it is given
+    handed = [o for o in p.outputs if o.staged is None]
+    found = counted.where(~late).select(*(o.name for o in handed)).toArrow()
+    for o in handed:  # in log order, as `share_of` lists the rows it is given
         values = found.column(o.name).to_pylist()
         share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
+    # An output that stages its rows gets those of the events Spark counted by COPY (the rows
+    # of records Python saw follow as JSON, in `merge_share`).
+    on_time = mine.select("*", *position()[LOG_US:]).where(~python & ~late)
+    for o in p.outputs:
+        if o.staged is not None:
+            merge_staged(conn, settings.database(), o, on_time, suffix)
     late_n = merge_share(conn, p, share, suffix, keep_ids(p, settings))
     return share.after, share.count, late_n
+
+
+def merge_staged(
+    conn: psycopg.Connection[Any], database: str, output: Output, events: DataFrame, suffix: str
+) -> int:
+    """Merge the rows of `events` into `output` (one that stages its rows: `Output.staged`)
+    through a table they are COPYed into first; returns how many rows were merged. The table
+    is created and filled outside `conn`'s transaction (Spark's tasks COPY in their own
+    connections) and dropped in it."""
+    staged = f"{output.name}_staged{suffix}"
+    with psycopg.connect(database, autocommit=True) as setup:
+        setup.execute(f"DROP TABLE IF EXISTS {staged}")
+        setup.execute(f"CREATE UNLOGGED TABLE {staged} ({output.staged})")
+    rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
+    n = bulk_load(database, rows, staged, tuple(rows.columns))
+    if n:
+        for statement in output.merge_staged_statements(suffix, staged):
+            conn.execute(statement)
+    conn.execute(f"DROP TABLE {staged}")
+    return n
 
 
 def _arrow_rows(frame: DataFrame) -> list[Any]:
