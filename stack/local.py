@@ -168,6 +168,10 @@ def run(settings: Settings) -> None:
     stack = LocalStack(settings)
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    # Ctrl-C stops everything, even when `run` was started with SIGINT ignored: a
+    # non-interactive shell ignores it in what it starts with `&` (a script, CI), and Python
+    # then leaves it ignored instead of raising KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stack.start_services()
         stack.start_processes()

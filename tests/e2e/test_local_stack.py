@@ -32,6 +32,13 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def as_a_background_job() -> None:
+    """Start `run` as a non-interactive shell starts a command with `&` (a script, CI): with
+    SIGINT and SIGQUIT ignored. Ctrl-C (SIGINT) must stop it all the same."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
 class RunningStack:
     def __init__(self, data_dir: Path) -> None:
         self.kafka_port, self.pg_port, self.api_port = free_port_pair(), free_port(), free_port()
@@ -63,6 +70,7 @@ class RunningStack:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=as_a_background_job,
         )
         threading.Thread(target=self._collect, daemon=True).start()
         try:
@@ -72,9 +80,14 @@ class RunningStack:
                 "`logfold run` to print its token",
             )
         except TimeoutError as e:
-            raise AssertionError("".join(self.output[-40:])) from e
+            raise AssertionError(self.tail()) from e
         line = next(line for line in self.output if "export TOKEN=" in line)
         return line.split("export TOKEN=", 1)[1].strip()
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines `logfold run` printed (its processes' warnings and errors), for a
+        failing assertion to show."""
+        return "".join(self.output[-lines:])
 
     def _collect(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -87,7 +100,15 @@ class RunningStack:
         return self.proc.wait(timeout=90)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Stop the stack whatever state a failed test left it in: SIGTERM first, which stops
+        its processes, Kafka and Postgres (a SIGKILL of `run` alone would leave them running
+        for the rest of the session), then SIGKILL if it does not stop in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
 
@@ -124,14 +145,15 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
         text=True,
         timeout=120,
     )
-    assert out.returncode == 0, out.stderr
-    assert '"type":"CustomerRegistered"' in out.stdout
-    assert '"book_id":"dune"' in out.stdout and '"price_cents":2499' in out.stdout
-    assert '"status":"up"' in out.stdout
+    said = f"{out.stdout}\n{out.stderr}\n--- logfold run:\n{stack.tail()}"
+    assert out.returncode == 0, said
+    assert '"type":"CustomerRegistered"' in out.stdout, said
+    assert '"book_id":"dune"' in out.stdout and '"price_cents":2499' in out.stdout, said
+    assert '"status":"up"' in out.stdout, said
 
     second_terminal(stack, data_dir)
 
-    assert stack.interrupt() == 0, "".join(stack.output[-30:])
+    assert stack.interrupt() == 0, stack.tail()
     assert not port_open(stack.kafka_port) and not port_open(stack.pg_port)
     assert not port_open(stack.api_port)
     assert not (data_dir / "stack.env").exists()  # gone with the stack
