@@ -157,24 +157,19 @@ def upcast(events: DataFrame) -> DataFrame:
     return _flat(old)
 
 
-def events_of(parsed: DataFrame, upcast: bool = True) -> DataFrame:
+def events_of(parsed: DataFrame) -> DataFrame:
     """Parsed records (`parse_events`) → events: topic, partition, offset, timestamp (of the
     record), the envelope's fields with `occurred_at` as a timestamp and `data` as JSON text at
-    the current schema version. `upcast=False` leaves out the records that need upcasting (the
-    caller knows there are none)."""
+    the current schema version."""
     native = parsed.where("current").select(
         "topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE)
     )
-    events = native
-    if upcast:
-        old = parsed.where(~F.col("current")).select(
-            "topic", "partition", "offset", "timestamp", _upcast(F.col("value")).alias("e")
-        )
-        events = native.unionByName(
-            old.select(
-                "topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE)
-            )
-        )
+    old = parsed.where(~F.col("current")).select(
+        "topic", "partition", "offset", "timestamp", _upcast(F.col("value")).alias("e")
+    )
+    events = native.unionByName(
+        old.select("topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE))
+    )
     return events.withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
 
 
