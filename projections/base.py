@@ -136,9 +136,13 @@ class Output(View):
         None by default."""
         return None
 
-    def merge_staged_statements(self, suffix: str, staged: str) -> list[str]:
+    def merge_staged_statements(self, suffix: str, staged: str, empty: bool = False) -> list[str]:
         """The statements that merge the rows staged in table `staged` (see `staged`) into
-        this table and its state tables, each name + `suffix`, in one transaction."""
+        this table and its state tables, each name + `suffix`, in one transaction.
+
+        `empty`: those tables are empty and have no keys while these run (a rebuild's first
+        merge, the keys built after it): the statements must not look keys up (no
+        `ON CONFLICT`) and must leave no key twice."""
         raise NotImplementedError(f"output {self.name} stages no rows")
 
     def prune_statements(self, suffix: str) -> list[str]:

@@ -117,7 +117,7 @@ class Conversions(Output):
             *self.merge_staged_statements(suffix, BATCH),
         ]
 
-    def merge_staged_statements(self, suffix: str, staged: str) -> list[str]:
+    def merge_staged_statements(self, suffix: str, staged: str, empty: bool = False) -> list[str]:
         t, views, orders = (
             self.name + suffix,
             f"conversion_views{suffix}",
@@ -125,11 +125,33 @@ class Conversions(Output):
         )
         within = _seconds(self.within)
         day = "(at AT TIME ZONE 'UTC')::date"
-        return [
-            # The newest event time of the whole batch, for `prune_statements`.
-            f"""
+        # The newest event time of the whole batch, for `prune_statements`.
+        newest = f"""
 SELECT set_config('{_newest(suffix)}', greatest({_newest_sql(suffix)},
-    (SELECT max(at) FROM {staged}))::text, true)""",
+    (SELECT max(at) FROM {staged}))::text, true)"""
+        if empty:
+            # Every view is new and meets every order here: no view an order converts later.
+            # A key staged twice (a record sent again, a book on two lines) is kept once.
+            return [
+                newest,
+                f"""
+INSERT INTO {orders} (order_id, book_id, customer_id, at)
+SELECT DISTINCT ON (id, book_id) id, book_id, customer_id, at FROM {staged}
+WHERE kind = 'order'""",
+                f"""
+INSERT INTO {views} (view_id, customer_id, book_id, at, converted)
+SELECT DISTINCT ON (r.id) r.id, r.customer_id, r.book_id, r.at, EXISTS (
+    SELECT 1 FROM {orders} o
+    WHERE o.customer_id = r.customer_id AND o.book_id = r.book_id
+    AND o.at >= r.at AND o.at <= r.at + {within}
+)
+FROM {staged} r WHERE kind = 'view'""",
+                f"""
+INSERT INTO {t} (book_id, day, views, converted_views)
+SELECT book_id, {day}, count(*), count(*) FILTER (WHERE converted) FROM {views} GROUP BY 1, 2""",
+            ]
+        return [
+            newest,
             f"""
 INSERT INTO {orders} (order_id, book_id, customer_id, at)
 SELECT id, book_id, customer_id, at FROM {staged} WHERE kind = 'order'

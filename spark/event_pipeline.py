@@ -174,11 +174,12 @@ def replay(
     offsets: Offsets,
     suffix: str,
     settings: Settings,
+    empty: bool = False,
 ) -> tuple[Offsets, int, int]:
     """Merge the records of `events` (`every_event` of a batch read, or any frame with its
     columns) after `offsets` into `p`'s tables (+ `suffix`) exactly as the live pipeline does.
     Returns the new offsets, the number of records applied and of late records. The caller
-    commits.
+    commits. `empty`: those tables are empty, new ones (see `merge_staged`).
 
     Made for whole logs (a rebuild): only stream records (counted once by id) travel to Python
     whole; of the events, Spark counts them, their late ones and their offsets, and hands over
@@ -238,18 +239,27 @@ def replay(
     on_time = mine.select("*", *position()[LOG_US:]).where(~python & ~late)
     for o in p.outputs:
         if o.staged is not None:
-            merge_staged(conn, settings.database(), o, on_time, suffix)
+            merge_staged(conn, settings.database(), o, on_time, suffix, empty)
     late_n = merge_share(conn, p, share, suffix, keep_ids(p, settings))
     return share.after, share.count, late_n
 
 
 def merge_staged(
-    conn: psycopg.Connection[Any], database: str, output: Output, events: DataFrame, suffix: str
+    conn: psycopg.Connection[Any],
+    database: str,
+    output: Output,
+    events: DataFrame,
+    suffix: str,
+    empty: bool = False,
 ) -> int:
     """Merge the rows of `events` into `output` (one that stages its rows: `Output.staged`)
     through a table they are COPYed into first; returns how many rows were merged. The table
     is created and filled outside `conn`'s transaction (Spark's tasks COPY in their own
-    connections) and dropped in it."""
+    connections) and dropped in it.
+
+    `empty`: `output`'s tables (+ `suffix`) are empty, new ones (a rebuild's shadows). Their
+    keys are then dropped for the merge and built once after it, in the same transaction:
+    building a key from a million rows costs a fraction of looking each row up in it."""
     staged = f"{output.name}_staged{suffix}"
     with psycopg.connect(database, autocommit=True) as setup:
         setup.execute(f"DROP TABLE IF EXISTS {staged}")
@@ -257,10 +267,27 @@ def merge_staged(
     rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
     n = bulk_load(database, rows, staged, tuple(rows.columns))
     if n:
-        for statement in output.merge_staged_statements(suffix, staged):
+        tables = [output.name + suffix, *(f"{s.name}{suffix}" for s in output.state)]
+        keys = _drop_keys(conn, tables) if empty else []
+        for statement in output.merge_staged_statements(suffix, staged, empty=empty):
+            conn.execute(statement)
+        for statement in keys:
             conn.execute(statement)
     conn.execute(f"DROP TABLE {staged}")
     return n
+
+
+def _drop_keys(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
+    """Drop the primary keys and unique constraints of `tables`, in `conn`'s transaction;
+    returns the statements that add them again."""
+    found = conn.execute(
+        "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conrelid = ANY(%s::regclass[]) AND contype IN ('p', 'u')",
+        (tables,),
+    ).fetchall()
+    for table, name, _ in found:
+        conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
+    return [f"ALTER TABLE {table} ADD CONSTRAINT {name} {d}" for table, name, d in found]
 
 
 def _arrow_rows(frame: DataFrame) -> list[Any]:

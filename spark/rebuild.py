@@ -64,7 +64,7 @@ SWAPS = 2  # projections swapped at once
 LOADS = 2  # projections loaded into their shadows at once
 # Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
 # of sorting both copies on disk, `docs/benchmarks.md`, rebuild) and for building a shadow's
-# indexes after its load.
+# indexes and keys after its load.
 WORK_MEM = "256MB"
 
 
@@ -105,9 +105,10 @@ class Rebuild:
         batch: DataFrame,
         offsets: dict[str, int],
         suffix: str = "",
+        empty: bool = False,
     ) -> tuple[dict[str, int], int, int]:
         if projection.replayed:
-            return replay(conn, projection, batch, offsets, suffix, self.settings)
+            return replay(conn, projection, batch, offsets, suffix, self.settings, empty)
         return apply_events(conn, projection, batch, offsets, suffix)
 
     def _between(
@@ -212,7 +213,9 @@ class Rebuild:
                 # during it (the merges of so large a batch join by hashing, not by them).
                 indexes = _drop_indexes(conn, [f"{t}{SHADOW}" for t in _tables(p)])
                 with conn.transaction():
-                    covered, applied, late = self._apply(conn, p, mine, {}, SHADOW)
+                    # The shadows are new: their keys are built after the first merge.
+                    conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
+                    covered, applied, late = self._apply(conn, p, mine, {}, SHADOW, empty=True)
                 with conn.transaction():
                     conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
                     for statement in indexes:

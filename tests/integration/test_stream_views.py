@@ -507,3 +507,65 @@ def test_a_batch_merged_in_many_chunks_gives_the_rows_of_one_merged_at_once(
         return [tuple(r) for r in rows]
 
     assert merged(1) == merged(10**9) == [("b", then.date(), 2, 2)]
+
+
+def test_a_rebuilds_first_merge_into_empty_tables_gives_the_rows_of_the_live_merge(
+    settings: Settings,
+) -> None:
+    """A rebuild merges the whole log's staged rows into new, empty shadows without their keys
+    (built after it): its statements must give the tables the live merge gives, keeping each
+    key once (a record sent again, a book on two lines of an order)."""
+    from projections.book_conversions import BATCH_COLUMNS, conversions
+    from spark.event_pipeline import _drop_keys
+
+    t = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    staged = [
+        ("view", "v-converts", "alice", "b1", t),
+        ("view", "v-converts", "alice", "b1", t),  # sent again
+        ("order", "o-1", "alice", "b1", t + timedelta(minutes=30)),
+        ("order", "o-1", "alice", "b1", t + timedelta(minutes=30)),  # the book on two lines
+        ("order", "o-1", "alice", "b2", t + timedelta(minutes=30)),
+        ("view", "v-too-late", "bob", "b1", t),
+        ("order", "o-2", "bob", "b1", t + timedelta(minutes=61)),
+        ("view", "v-ordered-before", "carol", "b2", t),
+        ("order", "o-3", "carol", "b2", t - timedelta(minutes=1)),
+        ("view", "v-next-day", "alice", "b2", t + timedelta(hours=12)),
+        ("order", "o-4", "alice", "b2", t + timedelta(hours=12, minutes=59)),
+    ]
+    tables = ("book_conversions", "conversion_views", "conversion_orders")
+
+    def merged(suffix: str, empty: bool) -> dict[str, list[tuple[Any, ...]]]:
+        with psycopg.connect(settings.database()) as conn:
+            for table in tables:
+                conn.execute(f"CREATE TEMP TABLE {table}{suffix} (LIKE {table} INCLUDING ALL)")
+            conn.execute(f"CREATE TEMP TABLE staged{suffix} ({BATCH_COLUMNS})")
+            with conn.cursor() as cur:
+                cur.executemany(f"INSERT INTO staged{suffix} VALUES (%s, %s, %s, %s, %s)", staged)
+            keys = _drop_keys(conn, [t + suffix for t in tables]) if empty else []
+            for statement in conversions.merge_staged_statements(suffix, f"staged{suffix}", empty):
+                conn.execute(statement)
+            for statement in keys:
+                conn.execute(statement)
+            found = {
+                table: [
+                    tuple(r) for r in conn.execute(f"SELECT * FROM {table}{suffix} ORDER BY 1, 2")
+                ]
+                for table in tables
+            }
+            keyed = conn.execute(
+                "SELECT count(*) FROM pg_constraint WHERE contype = 'p' "
+                "AND conrelid = ANY(%s::regclass[])",
+                ([t + suffix for t in tables],),
+            ).fetchone()
+            conn.rollback()
+        assert keyed == (3,)  # the keys are back
+        return found
+
+    live, first = merged("__live", empty=False), merged("__first", empty=True)
+    assert first == live
+    day, next_day = t.date(), t.date() + timedelta(days=1)
+    assert live["book_conversions"] == [
+        ("b1", day, 2, 1),
+        ("b2", day, 1, 0),
+        ("b2", next_day, 1, 1),
+    ]
