@@ -50,6 +50,7 @@ from spark.sink import (
     Reconnecting,
     bulk_load,
     count_once,
+    drop_keys,
     ensure_progress,
     lock_many,
     mark_failed,
@@ -268,26 +269,13 @@ def merge_staged(
     n = bulk_load(database, rows, staged, tuple(rows.columns))
     if n:
         tables = [output.name + suffix, *(f"{s.name}{suffix}" for s in output.state)]
-        keys = _drop_keys(conn, tables) if empty else []
+        keys = drop_keys(conn, tables) if empty else []
         for statement in output.merge_staged_statements(suffix, staged, empty=empty):
             conn.execute(statement)
         for statement in keys:
             conn.execute(statement)
     conn.execute(f"DROP TABLE {staged}")
     return n
-
-
-def _drop_keys(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
-    """Drop the primary keys and unique constraints of `tables`, in `conn`'s transaction;
-    returns the statements that add them again."""
-    found = conn.execute(
-        "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint "
-        "WHERE conrelid = ANY(%s::regclass[]) AND contype IN ('p', 'u')",
-        (tables,),
-    ).fetchall()
-    for table, name, _ in found:
-        conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
-    return [f"ALTER TABLE {table} ADD CONSTRAINT {name} {d}" for table, name, d in found]
 
 
 def _arrow_rows(frame: DataFrame) -> list[Any]:

@@ -48,6 +48,7 @@ from spark.event_pipeline import replay
 from spark.sink import (
     apply_events,
     bulk_load,
+    drop_indexes,
     lock_progress,
     move_stream_ids,
     read_progress,
@@ -211,7 +212,7 @@ class Rebuild:
             with psycopg.connect(self.url) as conn:
                 # Secondary indexes are built once after the whole log, not row by row
                 # during it (the merges of so large a batch join by hashing, not by them).
-                indexes = _drop_indexes(conn, [f"{t}{SHADOW}" for t in _tables(p)])
+                indexes = drop_indexes(conn, [f"{t}{SHADOW}" for t in _tables(p)])
                 with conn.transaction():
                     # The shadows are new: their keys are built after the first merge.
                     conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
@@ -344,20 +345,6 @@ def _survey(records: DataFrame) -> tuple[dict[str, int], dict[str, int], int]:
 
 def _count(conn: psycopg.Connection[Any], table: str) -> int:
     return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # type: ignore[index]
-
-
-def _drop_indexes(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
-    """Drop the indexes of `tables` that no key or constraint needs (`ON CONFLICT` needs the
-    unique ones); returns the statements that create them again."""
-    rows = conn.execute(
-        "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i "
-        "WHERE i.indrelid = ANY(%s::regclass[]) AND NOT i.indisunique",
-        (tables,),
-    ).fetchall()
-    for name, _ in rows:
-        conn.execute(f"DROP INDEX {name}")
-    conn.commit()
-    return [definition for _, definition in rows]
 
 
 def _tables(projection: Projection) -> list[str]:

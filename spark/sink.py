@@ -292,6 +292,33 @@ class Reconnecting:
             self._conn.close()
 
 
+def drop_indexes(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
+    """Drop the indexes of `tables` that no key or constraint needs (`ON CONFLICT` needs the
+    unique ones); returns the statements that create them again."""
+    rows = conn.execute(
+        "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i "
+        "WHERE i.indrelid = ANY(%s::regclass[]) AND NOT i.indisunique",
+        (tables,),
+    ).fetchall()
+    for name, _ in rows:
+        conn.execute(f"DROP INDEX {name}")
+    conn.commit()
+    return [definition for _, definition in rows]
+
+
+def drop_keys(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
+    """Drop the primary keys and unique constraints of `tables`, in `conn`'s transaction;
+    returns the statements that add them again."""
+    found = conn.execute(
+        "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conrelid = ANY(%s::regclass[]) AND contype IN ('p', 'u')",
+        (tables,),
+    ).fetchall()
+    for table, name, _ in found:
+        conn.execute(f"ALTER TABLE {table} DROP CONSTRAINT {name}")
+    return [f"ALTER TABLE {table} ADD CONSTRAINT {name} {d}" for table, name, d in found]
+
+
 def bulk_load(database_url: str, rows: DataFrame, table: str, columns: tuple[str, ...]) -> int:
     """COPY `rows` into `table` (`columns` in that order), each Spark partition in its own
     connection and transaction; returns the rows written. Spark hands the rows to Python as

@@ -317,7 +317,7 @@ def test_a_shadow_merged_from_the_whole_log_keeps_its_keys_and_gets_its_indexes_
     """A replayed view's shadows are merged without their secondary indexes, which are built
     once after the whole log: keys and unique indexes stay (`ON CONFLICT` needs them), and
     every index dropped comes back as it was."""
-    from spark.rebuild import _drop_indexes
+    from spark.sink import drop_indexes
 
     def indexes(conn: psycopg.Connection[Any]) -> dict[str, str]:
         rows = conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'probe'")
@@ -329,7 +329,7 @@ def test_a_shadow_merged_from_the_whole_log_keeps_its_keys_and_gets_its_indexes_
         conn.execute("CREATE INDEX probe_cd ON probe (c, d DESC)")
         conn.execute("CREATE INDEX probe_positive ON probe (d) WHERE d > 0")
         before = indexes(conn)
-        again = _drop_indexes(conn, ["probe"])
+        again = drop_indexes(conn, ["probe"])
         assert indexes(conn) == {n: d for n, d in before.items() if "UNIQUE" in d}
         assert len(again) == 2
         for statement in again:

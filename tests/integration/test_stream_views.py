@@ -516,7 +516,7 @@ def test_a_rebuilds_first_merge_into_empty_tables_gives_the_rows_of_the_live_mer
     (built after it): its statements must give the tables the live merge gives, keeping each
     key once (a record sent again, a book on two lines of an order)."""
     from projections.book_conversions import BATCH_COLUMNS, conversions
-    from spark.event_pipeline import _drop_keys
+    from spark.sink import drop_keys
 
     t = datetime(2026, 1, 1, 12, tzinfo=UTC)
     staged = [
@@ -541,7 +541,7 @@ def test_a_rebuilds_first_merge_into_empty_tables_gives_the_rows_of_the_live_mer
             conn.execute(f"CREATE TEMP TABLE staged{suffix} ({BATCH_COLUMNS})")
             with conn.cursor() as cur:
                 cur.executemany(f"INSERT INTO staged{suffix} VALUES (%s, %s, %s, %s, %s)", staged)
-            keys = _drop_keys(conn, [t + suffix for t in tables]) if empty else []
+            keys = drop_keys(conn, [t + suffix for t in tables]) if empty else []
             for statement in conversions.merge_staged_statements(suffix, f"staged{suffix}", empty):
                 conn.execute(statement)
             for statement in keys:
