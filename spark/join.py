@@ -168,11 +168,13 @@ class JoinSink:
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         """`batch`: the changelog records of `records` (in the streaming plan, planned once)."""
+        started = time.perf_counter()
         self.planning.fit(batch.sparkSession, self.last_batch)
         recs = batch.collect()
         self.last_batch = len(recs)
         if not recs:
             return
+        collected = time.perf_counter()
         last: Offsets = {}
         for r in recs:
             k = f"{r['topic']}:{r['partition']}"
@@ -181,6 +183,12 @@ class JoinSink:
         try:
             with conn.transaction():
                 self._apply(conn, recs, last, batch_id)
+            log.info(
+                "batch %s (spark %.0f ms, postgres %.0f ms)",
+                batch_id,
+                (collected - started) * 1e3,
+                (time.perf_counter() - collected) * 1e3,
+            )
         except psycopg.OperationalError:
             conn.close()
             raise
