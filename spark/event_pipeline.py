@@ -29,7 +29,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -410,7 +410,7 @@ class EventSink:
         if not rows:
             return
         if any(not r[CURRENT] for r in rows):
-            rows = self._upcast(records(batch_id), rows)
+            rows, errors = self._upcast(records(batch_id), rows, errors)
         self.timings["spark"] = time.perf_counter() - started
         self._apply(rows, errors, batch_id)
 
@@ -473,16 +473,42 @@ class EventSink:
             rows.append(row)
         return rows, errors
 
-    def _upcast(self, events: DataFrame, rows: list[Any]) -> list[Any]:
+    def _upcast(
+        self, events: DataFrame, rows: list[Any], errors: dict[str, str]
+    ) -> tuple[list[Any], dict[str, str]]:
         """`rows` with those of the events at an older schema version (of `events`, the
-        batch's records as `every_event` gives them) replaced by their upcast form's."""
-        none = F.lit(None).cast("string")
-        columns = [
-            c if p.name not in self.failed else none
-            for p in self.projections
-            for c in self.columns[p.name]
-        ]
-        return upcast_rows(events, rows, columns)
+        batch's records as `every_event` gives them) replaced by their upcast form's, and
+        `errors` with those of the projections whose rows fail on an upcast event (found each
+        alone, as `_collect` does). The columns of failed projections stay None."""
+
+        def upcast_without(failed: Collection[str]) -> list[Any]:
+            none = F.lit(None).cast("string")
+            columns = [
+                c if p.name not in failed else none
+                for p in self.projections
+                for c in self.columns[p.name]
+            ]
+            return upcast_rows(events, rows, columns)
+
+        failed = {*self.failed, *errors}
+        try:
+            return upcast_without(failed), errors
+        except Exception as e:
+            log.warning(
+                "a projection's upcast rows failed (%s); upcasting each alone", first_line(e)
+            )
+        errors = dict(errors)
+        names = [p.name for p in self.projections]
+        for p in self.active:
+            if p.name in failed:
+                continue
+            try:
+                upcast_without([n for n in names if n != p.name])
+            except Exception as e:
+                errors[p.name] = first_line(e)
+        if len(errors) == len(self.active):  # not one projection's fault: fail the batch
+            raise RuntimeError(f"every projection failed: {errors}")
+        return upcast_without({*failed, *errors}), errors
 
     def _apply(self, rows: list[Any], errors: dict[str, str], batch_id: int) -> None:
         projections = self.active

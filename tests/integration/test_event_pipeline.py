@@ -176,6 +176,36 @@ def test_a_failing_projection_stops_alone_is_reported_and_catches_up_once_fixed(
         stop(projector)
 
 
+def test_a_projection_failing_on_an_old_schema_event_stops_alone(
+    base_settings: Settings, spark: Any
+) -> None:
+    """The event that breaks a projection is at an older schema version, so its rows fail
+    only when the batch's old events are upcast: the projection is marked failed, found
+    alone as a failure in the batch's own rows is, and the others go on."""
+    deployment = new_deployment(base_settings)
+    legacy = f"legacy-{uuid.uuid4().hex[:10]}"
+    poisoned = v1_customer_registered(legacy)
+    poisoned["data"]["full_name"] = POISON
+    produce_raw(deployment, legacy, json.dumps(poisoned).encode())
+    order = place(deployment)
+    projector = run_events(deployment, spark, (BROKEN, orders.projection))
+    try:
+        wait_until(lambda: failure(deployment)[0] is not None, 120, "customers marked failed")
+        assert "deliberately broken" in str(failure(deployment)[0])
+        wait_until(lambda: order in order_ids(deployment), 120, "the order beside it")
+        assert POISON not in customer_names(deployment)
+        assert projector.queries["events"].isActive
+    finally:
+        stop(projector)
+    # The real projection, restarted, folds the event in its upcast form.
+    projector = run_events(deployment, spark, (customers.projection, orders.projection))
+    try:
+        wait_until(lambda: POISON in customer_names(deployment), 120, "customers caught up")
+        assert failure(deployment) == (None, None)
+    finally:
+        stop(projector)
+
+
 def test_old_schema_events_are_folded_upcast_in_a_batch_with_current_ones(
     deployment: Settings, spark: Any
 ) -> None:
