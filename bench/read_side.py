@@ -11,7 +11,9 @@ freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka an
 Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
 `customers` for `register-customer` (a projection: its rows and progress commit in one
 transaction) and in the joined `order_summaries` for `place-order` (projection, CDC, join). One
-monitor per run polls the view for the pending keys every 10 ms.
+monitor per run polls the view for the pending keys every 10 ms. Each rate is first run once
+for --warmup seconds (default: --duration), recorded apart and not counted: a running stack's
+figures, not those of JVMs still compiling what a new rate takes.
 The ceiling, measured first in the same run (Kafka and Postgres up, nothing else): records
 produced at the same rate into a topic read by a trivial Structured Streaming query (Kafka
 source tuned as the projector's, no trigger interval) whose foreachBatch collects the batch and
@@ -164,7 +166,10 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(args.partitions)
     with stack as settings:
         ceiling = [
-            {"offered_per_s": rate, **trivial_query(settings, rate, args.duration, args.repeats)}
+            {
+                "offered_per_s": rate,
+                **trivial_query(settings, rate, args.duration, args.repeats, warmup(args)),
+            }
             for rate in args.rates
         ]
         # INFO: the projector logs each batch's timings, for reading the results.
@@ -201,19 +206,23 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 for rate in tqdm(args.rates, desc=view, unit="level"):
                     for subscribes in args.subscribes_per_s:
                         runs = []
-                        for _ in range(args.repeats):
+                        for duration in [warmup(args), *[args.duration] * args.repeats]:
+                            if not duration:
+                                continue
                             with Subscribing(url, subscribes) as subscribing:
                                 run = open_loop(
-                                    settings, rate, args.duration, posting(url, command), sql, meter
+                                    settings, rate, duration, posting(url, command), sql, meter
                                 )
                             runs.append({**run, "snapshots": subscribing.snapshots})
+                        counted = runs[-args.repeats :]
                         levels.append(
                             {
                                 "offered_per_s": rate,
                                 "subscribes_per_s": subscribes,
-                                "p50_ms": statistics.median(r["p50_ms"] for r in runs),
-                                "p99_ms": statistics.median(r["p99_ms"] for r in runs),
-                                "runs": runs,
+                                "p50_ms": statistics.median(r["p50_ms"] for r in counted),
+                                "p99_ms": statistics.median(r["p99_ms"] for r in counted),
+                                "runs": counted,
+                                "warmup": runs[: -args.repeats],
                             }
                         )
                 result[view] = levels
@@ -447,8 +456,18 @@ def threaded(send: Callable[[int], tuple[str, float] | None]) -> Drive:
     return drive
 
 
-def trivial_query(settings: Settings, rate: float, duration: float, repeats: int) -> dict[str, Any]:
-    """The ceiling: produce -> trivial streaming query -> Postgres, at `rate` (see the doc)."""
+def warmup(args: argparse.Namespace) -> float:
+    """Seconds of load at a rate before its measured runs. The first run at a new rate is
+    the slowest (`customers` at 50/s, six runs of 45 s: p50 347 ms, then 233-280 ms): the
+    JVMs, the broker's above all, are still compiling the paths that rate takes."""
+    return float(args.duration if args.warmup is None else args.warmup)
+
+
+def trivial_query(
+    settings: Settings, rate: float, duration: float, repeats: int, warmup: float = 0
+) -> dict[str, Any]:
+    """The ceiling: produce -> trivial streaming query -> Postgres, at `rate` (see the doc),
+    after `warmup` seconds of the same load that are not counted."""
     from pyspark.sql import DataFrame
 
     from spark.decode import kafka_options
@@ -490,19 +509,21 @@ def trivial_query(settings: Settings, rate: float, duration: float, repeats: int
     )
     try:
         wait_until(lambda: visible(settings, warm), 120, "the trivial query")
-        runs = []
-        for _ in range(repeats):
 
-            def send(i: int) -> tuple[str, float]:
-                key = uuid.uuid4().hex
-                producer.send(topic, key=key.encode(), value=b"x").get(timeout=30)
-                return key, time.perf_counter()
+        def send(i: int) -> tuple[str, float]:
+            key = uuid.uuid4().hex
+            producer.send(topic, key=key.encode(), value=b"x").get(timeout=30)
+            return key, time.perf_counter()
 
-            runs.append(open_loop(settings, rate, duration, threaded(send), CEILING_SQL))
+        warm = [open_loop(settings, rate, warmup, threaded(send), CEILING_SQL)] if warmup else []
+        runs = [
+            open_loop(settings, rate, duration, threaded(send), CEILING_SQL) for _ in range(repeats)
+        ]
         return {
             "p50_ms": statistics.median(r["p50_ms"] for r in runs),
             "p99_ms": statistics.median(r["p99_ms"] for r in runs),
             "runs": runs,
+            "warmup": warm,
         }
     finally:
         query.stop()
@@ -912,6 +933,13 @@ def main() -> None:
     )
     f.add_argument("--duration", type=float, default=20)
     f.add_argument("--repeats", type=int, default=3)
+    f.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds of load at each rate before its measured runs, for the ceiling and the "
+        "stack alike, recorded but not counted (default: --duration; 0: none)",
+    )
     f.add_argument(
         "--partitions", type=int, default=4, help="partitions per topic (`LOGFOLD_PARTITIONS`)"
     )
