@@ -304,14 +304,15 @@ class Join(Fold):
 
     A joined row exists iff a row of each side exists with equal join columns (NULL matches
     nothing). Each view column comes from one side's column (`sources`: view column -> (role,
-    source column)). A change on either side re-derives every joined row of its old and new join
-    value; a delete on either side deletes them. The view's key must identify a pair of side
-    rows: it covers both sides' keys, or one side's key when the other is keyed by its join
-    column (then at most one of its rows matches).
+    source column)). A change on either side re-derives the joined rows of that side row, with
+    its old and its new join value; a delete on either side deletes them. The view's key must
+    identify a pair of side rows: it covers both sides' keys, or one side's key when the other
+    is keyed by its join column (then at most one of its rows matches).
 
     The live job (`spark/join.py`) keeps each side's last row per key, with its changelog
     position, in `join_state`; the view is always the join of that state (`derive_sql`), and
     only rows that differ are written, so the view's own changelog carries minimal changes.
+    A batch re-derives only the pairs of the rows it changed (`derive_sql`).
     Its progress (offsets of the two changelogs) is the `projection_progress` row `name`."""
 
     table: Table
@@ -394,30 +395,36 @@ class Join(Fold):
             f"ELSE {alias}.row ->> '{self.right.on}' END"
         )
 
-    def derive_sql(self, values: str) -> str:
-        """SELECT of the view's rows whose join value is in `values` (a relation with a column
-        `join_value`), derived from the join's state: the inner join of its live rows."""
+    def derive_sql(self, changes: str) -> str:
+        """SELECT of the view's rows that a batch of `changes` (a relation with `side` and
+        `key` columns) can alter, derived from the join's state: the joined pairs of a changed
+        left row or a changed right row, each pair once. Any other row comes from two side
+        rows the batch did not touch, so it stays as it is. Run before the batch is stored,
+        it gives the pairs as they were (to find the rows that go); after, as they are. A
+        new order derives its own row, not every row of its customer; a renamed customer
+        derives every row of that customer, as it must."""
         cols = []
         for column in self.table.columns:
             role, src = self.sources[column.name]
             kind = column.type.compile(dialect=_POSTGRES)
             cols.append(f"CAST({role[0]}.row ->> '{src}' AS {kind}) AS {column.name}")
-        return (
+        pairs = (
             f"SELECT {', '.join(cols)} FROM {JOIN_STATE} l JOIN {JOIN_STATE} r "
             f"ON r.join_name = l.join_name AND r.side = 'right' AND r.join_value = l.join_value "
             f"WHERE l.join_name = '{self.name}' AND l.side = 'left' "
-            f"AND l.join_value IN (SELECT join_value FROM {values})"
         )
 
-    def affected_sql(self, changes: str) -> str:
-        """SELECT of the join values a batch of `changes` (side, key, join_value, lsn, seq)
-        touches: the old and new join values of every change newer than the stored one."""
+        def changed(role: Role, alias: str) -> str:
+            return (
+                f"EXISTS (SELECT 1 FROM {changes} c "
+                f"WHERE c.side = '{role}' AND c.key = {alias}.key)"
+            )
+
+        # Two branches, each led by its side's key (the state's primary key), rather than one
+        # OR, which Postgres can only answer by scanning the join's whole state.
         return (
-            f"SELECT DISTINCT v.join_value FROM {changes} c "
-            f"LEFT JOIN {JOIN_STATE} s ON s.join_name = '{self.name}' AND s.side = c.side "
-            f"AND s.key = c.key "
-            f"CROSS JOIN LATERAL (VALUES (c.join_value), (s.join_value)) AS v (join_value) "
-            f"WHERE v.join_value IS NOT NULL AND (s.key IS NULL OR (c.lsn, c.seq) > (s.lsn, s.seq))"
+            f"{pairs}AND {changed('left', 'l')} "
+            f"UNION ALL {pairs}AND {changed('right', 'r')} AND NOT {changed('left', 'l')}"
         )
 
     def state_upsert_sql(self, changes: str) -> str:

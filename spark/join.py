@@ -6,7 +6,7 @@ headers, read_committed) from the lowest offsets after the joins' progress, with
 interval. Each micro-batch is read in one Spark job and applied in one Postgres transaction:
 per join, lock its progress row, drop records at or below its offsets, keep the newest change
 per key, store the changes that are newer than `join_state`'s (by changelog position),
-re-derive the joined rows of every join value they touch, write only the rows that differ
+re-derive the joined rows of the side rows they change, write only the rows that differ
 (delete the ones that no longer exist), and save its offsets. A batch replayed after a crash
 changes nothing, and neither does a change CDC resends. Each join keeps its own progress and
 fails alone (in a savepoint), like the projections in `spark/event_pipeline.py`.
@@ -25,7 +25,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -81,35 +81,39 @@ def side_changes(join: Join, last: DataFrame) -> DataFrame:
     return per_side[0].unionByName(per_side[1])
 
 
-def apply_changes(conn: psycopg.Connection[Any], join: Join, changes: list[Any]) -> int:
+class Applied(NamedTuple):
+    """What a batch of changes did to a joined view."""
+
+    derived: int  # joined rows derived from the state, as they are after the batch
+    written: int  # view rows inserted, updated or deleted (only rows that differ)
+
+
+def apply_changes(conn: psycopg.Connection[Any], join: Join, changes: list[Any]) -> Applied:
     """Merge `changes` (rows with CHANGE_COLUMNS, one per side and key) into the join's state
-    and its view; return how many view rows were written. The caller commits."""
+    and its view. The caller commits."""
     conn.execute(
         "CREATE TEMP TABLE join_changes (side text, key jsonb, row jsonb, lsn bigint, "
         "seq bigint, join_value text) ON COMMIT DROP"
     )
     copy_rows(conn, "join_changes", CHANGE_COLUMNS, changes)
     conn.execute(f"UPDATE join_changes c SET join_value = {join.join_value_sql('c')}")
-    conn.execute(
-        f"CREATE TEMP TABLE join_affected ON COMMIT DROP AS {join.affected_sql('join_changes')}"
-    )
-    conn.execute("ANALYZE join_affected")
+    conn.execute("ANALYZE join_changes")
     keys = ", ".join(join.key)
-    # The view is the join of the state, so the rows these join values gave before the changes
+    # The view is the join of the state, so the rows the changed pairs gave before the changes
     # are the candidates for deletion.
     conn.execute(
         f"CREATE TEMP TABLE join_before ON COMMIT DROP AS "
-        f"SELECT {keys} FROM ({join.derive_sql('join_affected')}) d"
+        f"SELECT {keys} FROM ({join.derive_sql('join_changes')}) d"
     )
     conn.execute(join.state_upsert_sql("join_changes"))
-    conn.execute(
-        f"CREATE TEMP TABLE join_after ON COMMIT DROP AS {join.derive_sql('join_affected')}"
-    )
+    derived = conn.execute(
+        f"CREATE TEMP TABLE join_after ON COMMIT DROP AS {join.derive_sql('join_changes')}"
+    ).rowcount
     written = conn.execute(join.upsert_sql("join_after")).rowcount
     deleted = conn.execute(join.delete_sql("join_before", "join_after")).rowcount
-    for temp in ("join_changes", "join_affected", "join_before", "join_after"):
+    for temp in ("join_changes", "join_before", "join_after"):
         conn.execute(f"DROP TABLE {temp}")
-    return max(written, 0) + max(deleted, 0)
+    return Applied(max(derived, 0), max(written, 0) + max(deleted, 0))
 
 
 def apply_records(
@@ -126,7 +130,7 @@ def apply_records(
         changes = side_changes(join, latest(fresh)).collect()
     finally:
         fresh.unpersist()
-    return {**offsets, **seen}, applied, apply_changes(conn, join, changes)
+    return {**offsets, **seen}, applied, apply_changes(conn, join, changes).written
 
 
 def newest_changes(join: Join, recs: list[Any], offsets: Offsets) -> list[dict[str, Any]]:
@@ -215,7 +219,7 @@ class JoinSink:
             check_gaps(self.gaps, conn, join.name, offsets, starts)
             try:
                 with conn.transaction():
-                    written = apply_changes(conn, join, changes)
+                    done = apply_changes(conn, join, changes)
                     save_progress(conn, join.name, {**offsets, **after}, applied, 0)
             except (psycopg.OperationalError, psycopg.InterfaceError):
                 raise
@@ -226,11 +230,12 @@ class JoinSink:
                 self.failed.add(join.name)
                 continue
             log.info(
-                "%s: batch %s applied %s records, wrote %s rows",
+                "%s: batch %s applied %s records, derived %s rows, wrote %s",
                 join.name,
                 batch_id,
                 applied,
-                written,
+                done.derived,
+                done.written,
             )
 
 

@@ -107,12 +107,13 @@ def test_names_are_plain_sql_names() -> None:
 
 
 def test_derived_rows_cast_each_source_value_to_the_view_column_type() -> None:
-    sql = JOINS["order_summaries"].derive_sql("affected")
+    sql = JOINS["order_summaries"].derive_sql("changes")
     assert "CAST(r.row ->> 'name' AS TEXT) AS customer_name" in sql
     assert "CAST(l.row ->> 'total_cents' AS BIGINT) AS total_cents" in sql
     assert "CAST(l.row ->> 'placed_at' AS TIMESTAMP WITH TIME ZONE) AS placed_at" in sql
     assert "l.join_name = 'order_summaries' AND l.side = 'left'" in sql
-    assert "l.join_value IN (SELECT join_value FROM affected)" in sql
+    assert "c.side = 'left' AND c.key = l.key" in sql
+    assert "c.side = 'right' AND c.key = r.key" in sql
 
 
 def test_only_newer_changes_are_stored() -> None:
