@@ -312,7 +312,6 @@ class Join(Fold):
     The live job (`spark/join.py`) keeps each side's last row per key, with its changelog
     position, in `join_state`; the view is always the join of that state (`derive_sql`), and
     only rows that differ are written, so the view's own changelog carries minimal changes.
-    A batch re-derives only the pairs of the rows it changed (`derive_sql`).
     Its progress (offsets of the two changelogs) is the `projection_progress` row `name`."""
 
     table: Table
@@ -397,12 +396,9 @@ class Join(Fold):
 
     def derive_sql(self, changes: str) -> str:
         """SELECT of the view's rows that a batch of `changes` (a relation with `side` and
-        `key` columns) can alter, derived from the join's state: the joined pairs of a changed
-        left row or a changed right row, each pair once. Any other row comes from two side
-        rows the batch did not touch, so it stays as it is. Run before the batch is stored,
-        it gives the pairs as they were (to find the rows that go); after, as they are. A
-        new order derives its own row, not every row of its customer; a renamed customer
-        derives every row of that customer, as it must."""
+        `key` columns) can alter, derived from the join's state: the pairs of a changed left
+        or right row, each once (any other row comes from side rows the batch did not touch).
+        Before the batch is stored it gives the pairs as they were; after, as they are."""
         cols = []
         for column in self.table.columns:
             role, src = self.sources[column.name]
