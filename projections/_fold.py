@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAID_LINE",
-    "PAID_LINES",
     "F",
     "each_paid_line",
     "field",
@@ -42,7 +41,6 @@ __all__ = [
     "row",
     "royalty_cents",
     "when_type",
-    "with_parsed",
 ]
 
 PAID_LINE = StructType(
@@ -57,8 +55,10 @@ PAID_LINE = StructType(
 
 
 def field(name: str) -> Column:
-    """A top-level field of the event's (upcast) data."""
-    return F.get_json_object(F.col("data"), f"$.{name}")
+    """A top-level field of the event's (upcast) data, as decoded with the event
+    (`spark.decode.DATA`): a list as typed elements (an order's `lines`: `PAID_LINE`), any other
+    value as its JSON text (cast by `row` to the column's type)."""
+    return F.col("data").getField(name)
 
 
 def when_type(types: str | tuple[str, ...], value: Column) -> Column:
@@ -125,27 +125,10 @@ def one(table: Table, condition: Column, **columns: Column) -> Column:
 
 def each_paid_line(table: Table, make: Callable[[Column], dict[str, Column]]) -> Column:
     """For an OrderPaid, one row of `table` per paid line (`make(line)` gives its columns,
-    from the line's fields: `PAID_LINE`); none for any other event. Reads the lines parsed
-    once per event (`with_parsed`)."""
-    lines = F.coalesce(F.col(PAID_LINES), F.array().cast(ArrayType(PAID_LINE)))
+    from the line's fields: `PAID_LINE`); none for any other event."""
+    paid = F.when(F.col("type") == "OrderPaid", field("lines"))
+    lines = F.coalesce(paid, F.array().cast(ArrayType(PAID_LINE)))
     return F.transform(lines, lambda line: row(table, **make(line)))
-
-
-# -- fields several projections read, parsed once per event ----------------------------------
-
-PAID_LINES = "paid_lines"  # an OrderPaid's lines (`PAID_LINE`); null for any other event
-
-
-def with_parsed(events: DataFrame) -> DataFrame:
-    """`events` with the fields several projections read parsed once per event, as columns
-    (`PAID_LINES`), unless it has them already. Four views read an order's paid lines; parsing
-    their JSON in each view's rows cost a rebuild more than the rest of those folds
-    (`docs/benchmarks.md`, rebuild). Whoever hands events to `rows()` passes them through
-    here (a cached read does so before caching)."""
-    if PAID_LINES in events.columns:
-        return events
-    lines = F.from_json(field("lines"), ArrayType(PAID_LINE))
-    return events.withColumn(PAID_LINES, F.when(F.col("type") == "OrderPaid", lines))
 
 
 def row_type(table: Table) -> StructType:
@@ -157,7 +140,7 @@ def row_type(table: Table) -> StructType:
 
 def fold(output: Output, events: DataFrame) -> DataFrame:
     """One row per key: every event's rows combined by the output's merge rules."""
-    rows = with_parsed(events).select(F.explode(output.rows()).alias("row")).select("row.*")
+    rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
     vc = output.version_column
     aggs = []
     for column in output.table.columns:

@@ -76,7 +76,7 @@ def rows() -> Column:
             F.col("occurred_at").alias("at"),
         )
 
-    lines = F.from_json(field("lines"), "array<struct<book_id:string>>")
+    lines = field("lines")
     return F.when(
         F.col("type") == "page_views", F.array(side("view", F.col("event_id"), field("book_id")))
     ).when(

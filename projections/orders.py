@@ -44,7 +44,7 @@ def rows() -> SparkColumn:
         customer_id=when_type("OrderPlaced", field("customer_id")),
         status=status,
         total_cents=when_type("OrderPlaced", field("total_cents")),
-        line_count=when_type("OrderPlaced", F.json_array_length(field("lines"))),
+        line_count=when_type("OrderPlaced", F.size(field("lines"))),
         placed_at=when_type("OrderPlaced", F.col("occurred_at")),
         paid_at=when_type("OrderPaid", F.col("occurred_at")),
         shipped_at=when_type("OrderShipped", F.col("occurred_at")),

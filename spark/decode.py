@@ -1,24 +1,86 @@
 """Kafka records → events.
 
 Events at their type's current schema version (nearly all of them) are decoded by Spark's own
-JSON reader; only older ones go through the write side's Python upcasters (a pandas UDF), so a
-batch of current events never leaves the JVM."""
+JSON reader, in one pass over each record: the envelope and the fields of its `data` (`DATA`),
+which the projections read as columns. Only older ones go through the write side's Python
+upcasters (a pandas UDF), so a batch of current events never leaves the JVM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
 from collections.abc import Mapping
+from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
 import pandas as pd
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.functions import pandas_udf  # type: ignore[attr-defined]
-from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    DoubleType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from events.catalog import EVENT_TYPES
 from events.serialization import decode
+from streams.registry import STREAMS
 
-# The stored envelope as Spark reads it: `data` (an object) stays JSON text.
+
+def _element_type(hint: Any) -> DataType:
+    """The Spark type of a value inside a list of `data`: a record (dataclass) as a struct of
+    its fields, integers as long, floats as double, anything else as its JSON text."""
+    origin = get_origin(hint)
+    if origin is Annotated:
+        return _element_type(get_args(hint)[0])
+    if origin in (Union, types.UnionType):  # an optional value: its type
+        kinds = [a for a in get_args(hint) if a is not type(None)]
+        return _element_type(kinds[0]) if len(kinds) == 1 else StringType()
+    if origin in (tuple, list):
+        return ArrayType(_element_type(get_args(hint)[0]))
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        hints = get_type_hints(hint, include_extras=True)
+        fields = dataclasses.fields(hint)
+        return StructType([StructField(f.name, _element_type(hints[f.name])) for f in fields])
+    if hint is int:
+        return LongType()
+    if hint is float:
+        return DoubleType()
+    return StringType()
+
+
+def _field_type(hint: Any) -> DataType:
+    """A top-level field of `data`: a list as its typed elements (`_element_type`), any other
+    value as its JSON text (a string's own text), as `get_json_object` would give it."""
+    kind = _element_type(hint)
+    return kind if isinstance(kind, ArrayType) else StringType()
+
+
+def data_schema() -> StructType:
+    """The struct an event's `data` (or a stream record's) is decoded into: every field of every
+    event type at its current schema version and of every stream's records, typed as
+    `_field_type` says. A field two types declare differently is kept as JSON text."""
+    found: dict[str, DataType] = {}
+    for cls in [*EVENT_TYPES.values(), *(s.record_type for s in STREAMS.values())]:
+        hints = get_type_hints(cls, include_extras=True)
+        for f in dataclasses.fields(cls):
+            kind = _field_type(hints[f.name])
+            found[f.name] = kind if found.get(f.name, kind) == kind else StringType()
+    return StructType([StructField(name, kind) for name, kind in sorted(found.items())])
+
+
+# The fields of `data`, decoded with the envelope in one pass of Spark's JSON reader. A
+# projection reads them by name (`projections._fold.field`) instead of parsing the JSON text
+# again for each field and each view: a rebuild's folds took a third less time
+# (`docs/benchmarks.md`, rebuild).
+DATA = data_schema()
+
+# The stored envelope as Spark reads it, `data` decoded into its fields (`DATA`).
 STORED = StructType(
     [
         StructField("event_id", StringType()),
@@ -28,20 +90,21 @@ STORED = StructType(
         StructField("aggregate_id", StringType()),
         StructField("version", LongType()),
         StructField("occurred_at", StringType()),
-        StructField("data", StringType()),
+        StructField("data", DATA),
     ]
 )
 
-# A stream's record (`streams.ingest.FactRecord`): `data` stays JSON text.
+# A stream's record (`streams.ingest.FactRecord`), `data` decoded into its fields (`DATA`).
 FACT = StructType(
     [
         StructField("id", StringType()),
         StructField("occurred_at", StringType()),
         StructField("received_at", StringType()),
-        StructField("data", StringType()),
+        StructField("data", DATA),
     ]
 )
 
+# What the Python upcasters give for a record (`data` as JSON text, `data_fields` decodes it).
 ENVELOPE = StructType(
     [
         StructField("event_id", StringType()),
@@ -148,28 +211,35 @@ def _flat(records: DataFrame) -> DataFrame:
     ).withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
 
 
+def data_fields(events: DataFrame) -> DataFrame:
+    """`events` whose `data` is JSON text (at the current schema version) with it decoded
+    into its fields (`DATA`), as `every_event` gives them."""
+    return events.withColumn("data", F.from_json(F.col("data"), DATA))
+
+
 def upcast(events: DataFrame) -> DataFrame:
     """The records of `every_event(…)` that are not current, decoded by the Python upcasters
     (same columns)."""
     old = events.where(~F.col("current")).select(
         "topic", "partition", "offset", "timestamp", "current", "value", _upcast("value").alias("e")
     )
-    return _flat(old)
+    return data_fields(_flat(old))
 
 
 def events_of(parsed: DataFrame) -> DataFrame:
     """Parsed records (`parse_events`) → events: topic, partition, offset, timestamp (of the
-    record), the envelope's fields with `occurred_at` as a timestamp and `data` as JSON text at
-    the current schema version."""
+    record), the envelope's fields with `occurred_at` as a timestamp and `data` decoded into
+    its fields (`DATA`) at the current schema version."""
     native = parsed.where("current").select(
         "topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE)
     )
     old = parsed.where(~F.col("current")).select(
         "topic", "partition", "offset", "timestamp", _upcast(F.col("value")).alias("e")
     )
-    events = native.unionByName(
+    upcast_ = data_fields(
         old.select("topic", "partition", "offset", "timestamp", *(f"e.{f.name}" for f in ENVELOPE))
     )
+    events = native.unionByName(upcast_)
     return events.withColumn("occurred_at", F.col("occurred_at").cast("timestamp"))
 
 

@@ -41,9 +41,15 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from events.catalog import EVENTS_BY_AGGREGATE
-from projections._fold import with_parsed
 from projections.base import Offsets, Output, Projection
-from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
+from spark.decode import (
+    data_fields,
+    every_event,
+    kafka_options,
+    parse_events,
+    read_batch,
+    upcast,
+)
 from spark.gaps import Gaps, check_gaps
 from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.sink import (
@@ -161,7 +167,7 @@ def share_of(
 
 def upcast_rows(batch: DataFrame, rows: list[Any], columns: list[Column]) -> list[Any]:
     """Replace the rows of events at an older schema version by those of their upcast form."""
-    upcast_ = with_parsed(upcast(batch).withColumn("current", F.lit(True)))
+    upcast_ = upcast(batch).withColumn("current", F.lit(True))
     fixed = upcast_.select(*position(), *columns)
     found = {(r[TOPIC], r[PARTITION], r[OFFSET]): r for r in fixed.collect()}
     return [r if r[CURRENT] else found.get((r[TOPIC], r[PARTITION], r[OFFSET]), r) for r in rows]
@@ -189,7 +195,7 @@ def replay(
     columns = [rows_json(o).alias(o.name) for o in p.outputs]
     reads = frozenset(p.reads(topics, settings.partitions))
     streams = frozenset(topics.stream(s) for s in p.streams)
-    of_p = with_parsed(events).where(F.col("topic").isin(*p.topic_names(topics)))
+    of_p = events.where(F.col("topic").isin(*p.topic_names(topics)))
     mine = unapplied(of_p, offsets)
     selected = mine.select(*position(), *columns)
     late = F.lit(False)
@@ -337,7 +343,7 @@ EVENT_COLUMNS = (
 )
 
 
-def sample_events() -> list[tuple[Any, ...]]:
+def sample_batch(spark: SparkSession) -> DataFrame:
     """One made-up event of every type, as `every_event` gives them (for the warm-up)."""
     now = datetime.now(UTC).replace(tzinfo=None)
     line = {"book_id": "b", "quantity": 1, "unit_price_cents": 100, "author": "a"}
@@ -353,10 +359,11 @@ def sample_events() -> list[tuple[Any, ...]]:
         "royalty_rate": 0.1,
     }
     kinds = [(a, cls.type_name()) for a, classes in EVENTS_BY_AGGREGATE.items() for cls in classes]
-    return [
+    rows = [
         (f"warm.{a}", 0, i, now, True, None, f"warm-{i}", t, a, "warm", 1, now, json.dumps(data))
         for i, (a, t) in enumerate(kinds)
     ]
+    return data_fields(spark.createDataFrame(rows, EVENT_COLUMNS))
 
 
 def first_line(error: BaseException) -> str:
@@ -422,7 +429,7 @@ class EventSink:
         is selected, so `foreachBatch` collects the batch as it is given: a `select` there
         converts each column through py4j, ~6 ms a live batch."""
         columns = [c for p in self.projections for c in self.columns[p.name]]
-        return with_parsed(events).select(*position(), *columns)
+        return events.select(*position(), *columns)
 
     def warm(self, spark: SparkSession, rounds: int = 3) -> None:
         """Run the batch job on made-up events of every type, writing nothing: the first
@@ -430,7 +437,7 @@ class EventSink:
         this the first command after a start would wait for it."""
         started = time.perf_counter()
         try:
-            sample = spark.createDataFrame(sample_events(), EVENT_COLUMNS)
+            sample = sample_batch(spark)
             for _ in range(rounds):
                 self._collect(self.with_rows(sample), self.active, lambda: sample)
         except Exception as e:  # the real batches will say which projection fails, and how
@@ -453,7 +460,7 @@ class EventSink:
             if len(projections) <= 1:
                 raise
             log.warning("a projection's rows failed (%s); collecting each alone", first_line(e))
-        alone = with_parsed(events())
+        alone = events()
         parts: dict[str, list[Any]] = {}
         errors: dict[str, str] = {}
         for p in projections:

@@ -34,7 +34,6 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from tqdm import tqdm
 
-from projections._fold import with_parsed
 from projections.base import Output, Projection
 from spark.decode import (
     between_json,
@@ -130,11 +129,10 @@ class Rebuild:
         started = time.monotonic()
         names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
-        # One cached read: every record decoded, with the fields several views read parsed
-        # (`with_parsed`); a record's bytes are kept only if the upcasters must decode it.
+        # One cached read: every record decoded, its data into the fields the views read
+        # (`spark.decode.DATA`); a record's bytes are kept only if the upcasters must decode it.
         records = every_event(parse_events(raw, self._streams(projections)))
-        records = records.withColumn("value", F.when(~F.col("current"), F.col("value")))
-        decoded = with_parsed(records).persist()
+        decoded = records.withColumn("value", F.when(~F.col("current"), F.col("value"))).persist()
         covered: dict[str, dict[str, int]] = {}
         counted: dict[str, tuple[int, int]] = {}  # events applied and late, as the live counts
         load: dict[str, float] = {}
@@ -143,7 +141,7 @@ class Rebuild:
             events = decoded
             if old:
                 # Every record decoded at its type's current version (the replay's `current`).
-                upcast_ = with_parsed(upcast(decoded))
+                upcast_ = upcast(decoded)
                 events = decoded.where("current").unionByName(upcast_)
                 events = events.withColumn("current", F.lit(True)).persist()
             try:

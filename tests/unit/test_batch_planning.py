@@ -8,7 +8,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from projections.registry import PROJECTIONS
-from spark.event_pipeline import EVENT_COLUMNS, EventSink, sample_events
+from spark.event_pipeline import EventSink, sample_batch
 from spark.session import LEAN_EXCLUDED_RULES, BatchPlanning, full_planning
 from stack.settings import Settings
 
@@ -42,7 +42,7 @@ def test_small_batches_are_planned_lean_and_large_ones_fully(spark: SparkSession
 def test_every_view_gets_the_same_rows_planned_lean_and_fully(spark: SparkSession) -> None:
     settings = Settings(database_url="postgresql://unused/db", kafka_bootstrap_servers="unused:1")
     sink = EventSink(list(PROJECTIONS.values()), settings)
-    events = spark.createDataFrame(sample_events(), EVENT_COLUMNS)
+    events = sample_batch(spark)
     batch = sink.with_rows(events)
     try:
         full_planning(spark, True)

@@ -24,6 +24,7 @@ from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRe
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
 from events.serialization import to_data
 from projections import author_royalties, books, customers, orders, sales_by_hour
+from spark.decode import data_fields
 
 pytestmark = pytest.mark.spark
 
@@ -70,7 +71,7 @@ def log(spark: SparkSession, *events: tuple[str, str, int, DomainEvent, Any]) ->
                 json.dumps(to_data(event)),
             )
         )
-    return spark.createDataFrame(rows, SCHEMA)
+    return data_fields(spark.createDataFrame(rows, SCHEMA))
 
 
 def rows(df: DataFrame) -> list[dict[str, Any]]:
