@@ -41,14 +41,9 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from events.catalog import EVENTS_BY_AGGREGATE
+from events.serialization import Envelope, encode
 from projections.base import Offsets, Output, Projection
-from spark.decode import (
-    every_event,
-    kafka_options,
-    parse_events,
-    read_batch,
-    upcast,
-)
+from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
 from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.sink import (
@@ -362,18 +357,19 @@ def sample_batch(spark: SparkSession) -> DataFrame:
             0,
             i,
             now.replace(tzinfo=None),
-            json.dumps(
-                {
-                    "event_id": f"warm-{i}",
-                    "type": cls.type_name(),
-                    "schema_version": cls.SCHEMA_VERSION,
-                    "aggregate_type": a,
-                    "aggregate_id": "warm",
-                    "version": 1,
-                    "occurred_at": now.isoformat(),
-                    "data": data,
-                }
-            ).encode(),
+            encode(
+                Envelope(
+                    **dict.fromkeys(("command_id", "correlation_id", "causation_id"), "warm"),
+                    event_id=f"warm-{i}",
+                    type=cls.type_name(),
+                    schema_version=cls.SCHEMA_VERSION,
+                    aggregate_type=a,
+                    aggregate_id="warm",
+                    version=1,
+                    occurred_at=now.isoformat(),
+                    data=data,
+                )
+            ),
         )
         for i, (a, cls) in enumerate(kinds)
     ]
