@@ -94,15 +94,9 @@ STORED = StructType(
     ]
 )
 
-# A stream's record (`streams.ingest.FactRecord`), `data` decoded into its fields (`DATA`).
-FACT = StructType(
-    [
-        StructField("id", StringType()),
-        StructField("occurred_at", StringType()),
-        StructField("received_at", StringType()),
-        StructField("data", DATA),
-    ]
-)
+# What Spark's JSON reader reads of a record: an event's envelope (`STORED`) or a stream's
+# record (`streams.ingest.FactRecord`: its `id`, `occurred_at` and `data`), in one schema.
+RECORD = StructType([*STORED.fields, StructField("id", StringType())])
 
 # What the Python upcasters give for a record (`data` as JSON text, `data_fields` decodes it).
 ENVELOPE = StructType(
@@ -160,27 +154,38 @@ def parse_events(raw: DataFrame, streams: Mapping[str, str] | None = None) -> Da
     current = F.create_map(
         *(F.lit(x) for t, c in EVENT_TYPES.items() for x in (t, c.SCHEMA_VERSION))
     )
-    value = F.col("value").cast("string")
-    e = F.from_json(value, STORED)
-    is_current = F.coalesce(e["schema_version"] == current[e["type"]], F.lit(False))
+    # Each record is parsed once, in a projection of its own that the next one reads: had the
+    # columns below read the fields of a `from_json` directly, Spark's optimizer would have
+    # given each its own `from_json` of only that field, every one parsing the whole record
+    # again (three parses a record; the decode took 1.5x as long, `docs/benchmarks.md`).
+    parsed = raw.where(F.col("value").isNotNull()).select(
+        "topic",
+        "partition",
+        "offset",
+        "timestamp",
+        "value",
+        F.from_json(F.col("value").cast("string"), RECORD).alias("j"),
+    )
+    j = F.col("j")
+    e = F.struct(*(j[f.name].alias(f.name) for f in STORED))
+    is_current = F.coalesce(j["schema_version"] == current[j["type"]], F.lit(False))
     if streams:
-        fact = F.from_json(value, FACT)
         names = F.create_map(*(F.lit(x) for kv in streams.items() for x in kv))
         name = names[F.col("topic")]
         as_event = F.struct(
-            fact["id"].alias("event_id"),
+            j["id"].alias("event_id"),
             name.alias("type"),
             F.lit(None).cast("long").alias("schema_version"),
             name.alias("aggregate_type"),
             F.lit(None).cast("string").alias("aggregate_id"),
             F.lit(None).cast("long").alias("version"),
-            fact["occurred_at"].alias("occurred_at"),
-            fact["data"].alias("data"),
+            j["occurred_at"].alias("occurred_at"),
+            j["data"].alias("data"),
         )
         is_fact = F.col("topic").isin(*streams)
         e = F.when(is_fact, as_event).otherwise(e)
         is_current = F.when(is_fact, F.lit(True)).otherwise(is_current)
-    return raw.where(F.col("value").isNotNull()).select(
+    return parsed.select(
         "topic",
         "partition",
         "offset",

@@ -98,3 +98,44 @@ def test_a_fields_type_follows_its_declaration() -> None:
     assert isinstance(line, ArrayType) and isinstance(line.elementType, StructType)
     assert line.elementType["quantity"].dataType == LongType()
     assert line.elementType["royalty_rate"].dataType == DoubleType()
+
+
+def test_each_record_is_parsed_once_events_and_facts_alike(spark: SparkSession) -> None:
+    event = encode(
+        envelope_for(
+            SAMPLES[0],
+            event_id="e1",
+            aggregate_type="any",
+            aggregate_id="a",
+            version=1,
+            occurred_at="2026-11-25T10:00:00Z",
+            command_id="c",
+            correlation_id="c",
+            causation_id="c",
+        )
+    )
+    fact = json.dumps(
+        {
+            "id": "f1",
+            "occurred_at": "2026-11-25T10:00:01Z",
+            "received_at": "2026-11-25T10:00:02Z",
+            "data": {"customer_id": "c1", "book_id": "b1"},
+        }
+    ).encode()
+    now = datetime.now(UTC).replace(tzinfo=None)
+    frame = spark.createDataFrame(
+        [(event, "events.any", 0, 0, now), (fact, "streams.page_views", 0, 0, now)],
+        "value binary, topic string, partition int, offset long, timestamp timestamp",
+    )
+    decoded = every_event(parse_events(frame, {"streams.page_views": "page_views"}))
+    # Spark's optimizer must not split the parse into one per field read (each parsing the
+    # whole record again): one JSON parse per record, in the plan that runs.
+    plan = decoded._jdf.queryExecution().optimizedPlan().toString()
+    assert plan.count("from_json(") == 1, plan
+    rows = {r["event_id"]: r for r in decoded.collect()}
+    assert rows["e1"]["type"] == SAMPLES[0].type_name() and rows["e1"]["current"]
+    page_view = rows["f1"]
+    assert (page_view["type"], page_view["aggregate_type"]) == ("page_views", "page_views")
+    assert page_view["current"] and page_view["aggregate_id"] is None
+    assert page_view["data"]["book_id"] == "b1"
+    assert page_view["occurred_at"] == datetime(2026, 11, 25, 10, 0, 1)
