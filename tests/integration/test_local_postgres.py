@@ -41,6 +41,20 @@ def test_the_local_server_needs_the_password(postgres: LocalPostgres) -> None:
     assert postgres.password_file.stat().st_mode & 0o777 == 0o600
 
 
+def test_the_local_database_compares_text_by_its_bytes(
+    postgres: LocalPostgres, base_settings: Settings
+) -> None:
+    """Collation C (sorts and index builds of ids without the C library's collation), with
+    characters still classified as UTF-8; a deployment's own database too."""
+    for url in (postgres.url, new_deployment(base_settings).database()):
+        with psycopg.connect(url) as conn:
+            row = conn.execute(
+                "SELECT datcollate, datctype, upper('é') FROM pg_database "
+                "WHERE datname = current_database()"
+            ).fetchone()
+            assert row == ("C", "C.UTF-8", "É"), (url, row)
+
+
 def test_a_data_directory_made_with_trust_gets_a_password(workdir: Path) -> None:
     server = LocalPostgres(Path(tempfile.mkdtemp(prefix="pg-trust-", dir=workdir)), free_port())
     server.start()
