@@ -230,12 +230,10 @@ def replay(
     # Events that add no rows (`[]`) are left out here, not by Spark: a filter on the rows
     # would have Spark work each event's rows out twice (in the filter and in the select).
     handed = [o for o in p.outputs if o.staged is None]
-    if handed:
-        found = counted.where(~late).select(*(o.name for o in handed)).toArrow()
-        for o in handed:  # in log order, as `share_of` lists the rows it is given
-            values = found.column(o.name).to_pylist()
-            rows = [v for v in values if v is not None and v != "[]"]
-            share.rows[o.name] = rows + share.rows[o.name]
+    found = counted.where(~late).select(*(o.name for o in handed)).toArrow()
+    for o in handed:  # in log order, as `share_of` lists the rows it is given
+        values = found.column(o.name).to_pylist()
+        share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
     # An output that stages its rows gets those of the events Spark counted by COPY (the rows
     # of records Python saw follow as JSON, in `merge_share`).
     on_time = mine.select("*", *position()[LOG_US:]).where(~python & ~late)
