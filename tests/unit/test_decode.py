@@ -35,24 +35,26 @@ def as_text(value: Any) -> str | None:
     return value if isinstance(value, str) or value is None else json.dumps(value)
 
 
+def stored_event(event: Any, event_id: str) -> bytes:
+    """`event` as the write side stores it."""
+    return encode(
+        envelope_for(
+            event,
+            event_id=event_id,
+            aggregate_type="any",
+            aggregate_id="a",
+            version=1,
+            occurred_at="2026-11-25T10:00:00Z",
+            command_id="c",
+            correlation_id="c",
+            causation_id="c",
+        )
+    )
+
+
 def test_every_event_types_data_decodes_to_what_its_json_says(spark: SparkSession) -> None:
     assert {type(e) for e in SAMPLES} == set(EVENT_TYPES.values())
-    values = [
-        encode(
-            envelope_for(
-                e,
-                event_id=f"e{i}",
-                aggregate_type="any",
-                aggregate_id="a",
-                version=1,
-                occurred_at="2026-11-25T10:00:00Z",
-                command_id="c",
-                correlation_id="c",
-                causation_id="c",
-            )
-        )
-        for i, e in enumerate(SAMPLES)
-    ]
+    values = [stored_event(e, f"e{i}") for i, e in enumerate(SAMPLES)]
     decoded = every_event(parse_events(records(spark, values))).collect()
     assert len(decoded) == len(SAMPLES)
     for event, row in zip(SAMPLES, decoded, strict=True):
@@ -101,19 +103,7 @@ def test_a_fields_type_follows_its_declaration() -> None:
 
 
 def test_each_record_is_parsed_once_events_and_facts_alike(spark: SparkSession) -> None:
-    event = encode(
-        envelope_for(
-            SAMPLES[0],
-            event_id="e1",
-            aggregate_type="any",
-            aggregate_id="a",
-            version=1,
-            occurred_at="2026-11-25T10:00:00Z",
-            command_id="c",
-            correlation_id="c",
-            causation_id="c",
-        )
-    )
+    event = stored_event(SAMPLES[0], "e1")
     fact = json.dumps(
         {
             "id": "f1",
