@@ -14,17 +14,20 @@ from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, Struc
 
 from events.catalog import EVENT_TYPES
 from events.order import PlacedLine
-from events.serialization import encode, envelope_for, to_data
+from events.serialization import dumps, encode, envelope_for, to_data
 from projections._fold import PAID_LINE
 from spark.decode import DATA, _field_type, every_event, parse_events
+from streams.ingest import FactRecord
 from tests.unit.test_serialization import SAMPLES, stored
 
 pytestmark = pytest.mark.spark
 
 
-def records(spark: SparkSession, values: list[bytes]) -> Any:
+def records(spark: SparkSession, values: list[bytes], topics: list[str] | None = None) -> Any:
+    """Kafka records of `values`, of topic "events.any" unless `topics` names each one's."""
     now = datetime.now(UTC).replace(tzinfo=None)
-    rows = [(v, "events.any", 0, i, now) for i, v in enumerate(values)]
+    names = topics or ["events.any"] * len(values)
+    rows = [(v, t, 0, i, now) for i, (v, t) in enumerate(zip(values, names, strict=True))]
     return spark.createDataFrame(
         rows, "value binary, topic string, partition int, offset long, timestamp timestamp"
     )
@@ -104,19 +107,15 @@ def test_a_fields_type_follows_its_declaration() -> None:
 
 def test_each_record_is_parsed_once_events_and_facts_alike(spark: SparkSession) -> None:
     event = stored_event(SAMPLES[0], "e1")
-    fact = json.dumps(
-        {
-            "id": "f1",
-            "occurred_at": "2026-11-25T10:00:01Z",
-            "received_at": "2026-11-25T10:00:02Z",
-            "data": {"customer_id": "c1", "book_id": "b1"},
-        }
-    ).encode()
-    now = datetime.now(UTC).replace(tzinfo=None)
-    frame = spark.createDataFrame(
-        [(event, "events.any", 0, 0, now), (fact, "streams.page_views", 0, 0, now)],
-        "value binary, topic string, partition int, offset long, timestamp timestamp",
+    fact = dumps(  # as `streams.ingest` stores it
+        FactRecord(
+            "f1",
+            "2026-11-25T10:00:01Z",
+            "2026-11-25T10:00:02Z",
+            {"customer_id": "c1", "book_id": "b1"},
+        )
     )
+    frame = records(spark, [event, fact], ["events.any", "streams.page_views"])
     decoded = every_event(parse_events(frame, {"streams.page_views": "page_views"}))
     # Spark's optimizer must not split the parse into one per field read (each parsing the
     # whole record again): one JSON parse per record, in the plan that runs.
