@@ -5,6 +5,7 @@
     .venv/bin/python bench/commands.py profile --rate 500 --duration 20
     .venv/bin/python bench/commands.py compare --duration 15 --repeats 3
     .venv/bin/python bench/commands.py aggregate --events 10000 --repeats 3
+    .venv/bin/python bench/commands.py transactions --rounds 8
 
 load: sustained commands/s and latency at several offered loads (`rename-customer` on 200
 customers in turn), and, in the same run, the raw kafka-python transactional produce rate of
@@ -21,6 +22,12 @@ compare: the closed loops of `load` (1 and 4 clients, and a 3,000-event aggregat
 
 aggregate: the latency of commands on an aggregate with N events against a fresh one's, side by
 side (closed loop, one client at a time).
+
+transactions: a transaction shaped as the processor's for one command (a record each to an
+event, a snapshot, a reply and an offset topic) on a broker of its own, paced (a pause of
+1/--rate s after each, as commands arriving apart) and back to back, in rounds: the CPU it
+costs the producer (kafka-python, whichever version is installed) and the broker, and the
+broker's JIT compiler's share, round by round.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import loadgen, pyspy
-from bench.procstat import CpuMeter
+from bench.procstat import CpuMeter, cpu_seconds, jit_seconds
 from events.customer import CustomerRenamed
 from events.serialization import encode, envelope_for
 from events.store import committed_reader
@@ -491,6 +498,73 @@ class Merge(argparse.Action):
         setattr(namespace, self.dest, {**getattr(namespace, self.dest), **values})
 
 
+def transactions(args: argparse.Namespace) -> dict[str, object]:
+    import kafka
+
+    work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
+    broker = LocalKafka(Path(".stack/lib"), work / "kafka", free_port(), free_port())
+    broker.start()
+    topics = ("event", "snapshot", "reply", "offset")
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin.create_topics([NewTopic(t, 4, 1) for t in topics])
+        admin.close()
+        producer = KafkaProducer(
+            bootstrap_servers=broker.bootstrap,
+            transactional_id=f"bench-{uuid.uuid4()}",
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=1,
+            retry_backoff_ms=10,
+            metrics_enabled=False,
+        )
+        producer.init_transactions()
+        record = an_event()
+        assert broker.proc is not None
+        pid = broker.proc.pid
+
+        def run(n: int, gap: float) -> dict[str, float]:
+            client0, jit0 = time.process_time(), jit_seconds([pid])
+            broker0 = sum(cpu_seconds([pid]))
+            start = time.perf_counter()
+            for _ in range(n):
+                producer.begin_transaction()
+                sent = [producer.send(t, key=b"k", value=record, partition=1) for t in topics]
+                producer.flush()
+                for future in sent:
+                    future.get()
+                producer.commit_transaction()
+                if gap:
+                    time.sleep(gap)
+            wall = time.perf_counter() - start
+            return {
+                "per_s": n / wall,
+                "client_cpu_ms": (time.process_time() - client0) / n * 1e3,
+                "broker_cpu_ms": (sum(cpu_seconds([pid])) - broker0) / n * 1e3,
+                "broker_jit_ms": (jit_seconds([pid]) - jit0) / n * 1e3,
+            }
+
+        rounds = []
+        for i in tqdm(range(args.rounds), desc="rounds", unit="round"):
+            paced = run(int(args.rate * args.seconds), 1 / args.rate)
+            rounds.append({"round": i, "paced": paced, "back_to_back": run(args.back_to_back, 0)})
+        producer.close()
+        settled = rounds[len(rounds) // 2 :]
+        return {
+            "benchmark": "transactions",
+            "kafka_python": kafka.__version__,
+            "rate": args.rate,
+            "rounds": rounds,
+            "settled_medians": {
+                f"{mode} {k}": statistics.median(r[mode][k] for r in settled)
+                for mode in ("paced", "back_to_back")
+                for k in ("per_s", "client_cpu_ms", "broker_cpu_ms", "broker_jit_ms")
+            },
+        }
+    finally:
+        broker.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -552,8 +626,21 @@ def main() -> None:
     ag.add_argument("--events", type=int, default=10_000)
     ag.add_argument("--commands", type=int, default=50, help="commands of each kind per run")
     ag.add_argument("--repeats", type=int, default=3)
+    tx = sub.add_parser("transactions", help="CPU of a processor-shaped transaction, both sides")
+    tx.add_argument(
+        "--rate", type=float, default=40, help="paced: a pause of 1/RATE s after each transaction"
+    )
+    tx.add_argument("--seconds", type=float, default=20, help="of paced transactions per round")
+    tx.add_argument("--back-to-back", type=int, default=1000, help="transactions per round")
+    tx.add_argument("--rounds", type=int, default=8, help="the later half gives the medians")
     args = parser.parse_args()
-    run = {"load": load, "compare": compare, "profile": profile, "aggregate": aggregate}[args.which]
+    run = {
+        "load": load,
+        "compare": compare,
+        "profile": profile,
+        "aggregate": aggregate,
+        "transactions": transactions,
+    }[args.which]
     print(json.dumps(run(args), indent=2))
 
 

@@ -46,6 +46,27 @@ def cpu_seconds(pids: list[int]) -> tuple[float, float]:
     return user / TICK, system / TICK
 
 
+def jit_seconds(pids: list[int]) -> float:
+    """CPU time the JIT compiler threads of the processes (the JVMs among them: HotSpot's
+    `C1 CompilerThread<n>` and `C2 CompilerThread<n>`) have used so far."""
+    used = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                if "CompilerThre" not in Path(f"/proc/{pid}/task/{tid}/comm").read_text():
+                    continue
+                text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            fields = text[text.rindex(")") + 2 :].split()
+            used += int(fields[11]) + int(fields[12])
+    return used / TICK
+
+
 def status(pid: int, field: str) -> int:
     """A numeric field of /proc/<pid>/status (`VmRSS` in kB, `Threads`), 0 if gone."""
     try:
@@ -74,11 +95,14 @@ def machine_busy() -> tuple[float, float]:
 
 class CpuMeter:
     """CPU used by named process trees between `start()` and `stop()`, in % of one core:
-    `<name>_pct` (user + system) and `<name>_sys_pct` (system alone)."""
+    `<name>_pct` (user + system), `<name>_sys_pct` (system alone) and `<name>_jit_pct` (the
+    part of it its JVMs' JIT compilers used: a JVM that still compiles is not yet the one a
+    running stack has, and costs more)."""
 
     def __init__(self, roots: dict[str, int], alone: tuple[str, ...] = ()) -> None:
         self.roots, self.alone = roots, alone  # `alone`: without their descendants
         self.begin: dict[str, tuple[float, float]] = {}
+        self.jit0: dict[str, float] = {}
         self.t0 = 0.0
         self.machine0 = (0.0, 0.0)
 
@@ -88,17 +112,26 @@ class CpuMeter:
             for name, pid in self.roots.items()
         }
 
+    def _jit(self) -> dict[str, float]:
+        return {
+            name: jit_seconds([pid] if name in self.alone else tree(pid))
+            for name, pid in self.roots.items()
+        }
+
     def start(self) -> None:
+        self.jit0 = self._jit()
         self.begin, self.t0, self.machine0 = self._now(), time.monotonic(), machine_busy()
 
     def stop(self) -> dict[str, float]:
         end, wall, (busy, total) = self._now(), time.monotonic() - self.t0, machine_busy()
+        jit = self._jit()
         used: dict[str, float] = {}
         for name, (user, system) in end.items():
             user0, system0 = self.begin[name]
             used[f"{name}_pct"] = 100 * (user + system - user0 - system0) / wall
             used[f"{name}_sys_pct"] = 100 * (system - system0) / wall
-        ours = sum(v for k, v in used.items() if not k.endswith("_sys_pct"))
+            used[f"{name}_jit_pct"] = 100 * (jit[name] - self.jit0[name]) / wall
+        ours = sum(used[f"{name}_pct"] for name in end)
         used["machine_busy_pct"] = 100 * (busy - self.machine0[0]) / (total - self.machine0[1])
         # Everything else on the machine, in % of one core: other work disturbs the figures.
         used["others_pct"] = 100 * (busy - self.machine0[0]) / wall - ours

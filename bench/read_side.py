@@ -11,8 +11,9 @@ freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka an
 Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
 `customers` for `register-customer` (a projection: its rows and progress commit in one
 transaction) and in the joined `order_summaries` for `place-order` (projection, CDC, join). One
-monitor per run polls the view for the pending keys every 10 ms. Each rate is first run once
-for --warmup seconds (default: --duration), recorded apart and not counted: a running stack's
+monitor per run polls the view for the pending keys every 10 ms. Each rate is first run for
+--warmup seconds (default: --duration), again until the JVMs' JIT compilers (the broker's, the
+projector's) are quiet (--settle-jit-pct), recorded apart and not counted: a running stack's
 figures, not those of JVMs still compiling what a new rate takes.
 The ceiling, measured first in the same run (Kafka and Postgres up, nothing else): records
 produced at the same rate into a topic read by a trivial Structured Streaming query (Kafka
@@ -68,6 +69,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -205,15 +207,11 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 levels = []
                 for rate in tqdm(args.rates, desc=view, unit="level"):
                     for subscribes in args.subscribes_per_s:
-                        runs = []
-                        for duration in [warmup(args), *[args.duration] * args.repeats]:
-                            if not duration:
-                                continue
-                            with Subscribing(url, subscribes) as subscribing:
-                                run = open_loop(
-                                    settings, rate, duration, posting(url, command), sql, meter
-                                )
-                            runs.append({**run, "snapshots": subscribing.snapshots})
+                        run = partial(
+                            subscribed_run, settings, url, rate, subscribes, command, sql, meter
+                        )
+                        runs = settled(run, warmup(args), args.settle_jit_pct, args.max_warmups)
+                        runs += [run(args.duration) for _ in range(args.repeats)]
                         counted = runs[-args.repeats :]
                         levels.append(
                             {
@@ -229,6 +227,22 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             return result
         finally:
             procs.stop()
+
+
+def subscribed_run(
+    settings: Settings,
+    url: str,
+    rate: float,
+    subscribes: float,
+    command: Any,
+    sql: str,
+    meter: CpuMeter,
+    seconds: float,
+) -> dict[str, Any]:
+    """One `open_loop` run of `command` while a client subscribes `subscribes` times a second."""
+    with Subscribing(url, subscribes) as subscribing:
+        found = open_loop(settings, rate, seconds, posting(url, command), sql, meter)
+    return {**found, "snapshots": subscribing.snapshots}
 
 
 class Subscribing:
@@ -461,6 +475,23 @@ def warmup(args: argparse.Namespace) -> float:
     the slowest (`customers` at 50/s, six runs of 45 s: p50 347 ms, then 233-280 ms): the
     JVMs, the broker's above all, are still compiling the paths that rate takes."""
     return float(args.duration if args.warmup is None else args.warmup)
+
+
+def settled(
+    run: Callable[[float], dict[str, Any]], seconds: float, jit_pct: float, most: int
+) -> list[dict[str, Any]]:
+    """Warm-up runs of `seconds` each, until the stack's JVMs have stopped compiling: their
+    JIT compiler threads used under `jit_pct` % of a core in the last run (at most `most`
+    runs). The broker's C2 compiler goes on for minutes after a start: at ~32 transactions/s
+    a transaction cost a new broker 17.4, 7.7 and 4.0 ms of CPU in its first three
+    half-minutes, the compiler 9.2, 3.7 and 0.4 ms of it (`bench/commands.py transactions`)."""
+    runs: list[dict[str, Any]] = []
+    while seconds and len(runs) < most:
+        runs.append(run(seconds))
+        cpu = runs[-1].get("cpu_pct", {})
+        if sum(v for k, v in cpu.items() if k.endswith("_jit_pct")) < jit_pct:
+            break
+    return runs
 
 
 def trivial_query(
@@ -940,6 +971,14 @@ def main() -> None:
         help="seconds of load at each rate before its measured runs, for the ceiling and the "
         "stack alike, recorded but not counted (default: --duration; 0: none)",
     )
+    f.add_argument(
+        "--settle-jit-pct",
+        type=float,
+        default=5,
+        help="repeat a rate's warm-up run until the JVMs' JIT compilers used less than this "
+        "%% of a core in it (a running stack's JVMs have compiled their paths)",
+    )
+    f.add_argument("--max-warmups", type=int, default=6, help="warm-up runs per rate at most")
     f.add_argument(
         "--partitions", type=int, default=4, help="partitions per topic (`LOGFOLD_PARTITIONS`)"
     )
