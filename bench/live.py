@@ -516,7 +516,8 @@ def _fanout_run(
 
 
 def _clients_total(cpu: dict[str, float]) -> dict[str, float]:
-    """Fold the client processes' CPU (`clients<i>_…`) into `clients_pct` and `clients_sys_pct`."""
+    """Fold the client processes' CPU (`clients<i>_…`) into `clients_pct`, `clients_sys_pct`
+    and `clients_jit_pct`."""
     out = {k: v for k, v in cpu.items() if not k.startswith("clients")}
     for suffix in ("_pct", "_sys_pct", "_jit_pct"):
         out["clients" + suffix] = sum(

@@ -10,12 +10,13 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> list[str] | None:
+def _stat(pid: int, task: str = "") -> list[str] | None:
+    """The fields of /proc/<pid>/stat (or of one thread's: `task`), from the 3rd (state) on."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = Path(f"/proc/{pid}/{task}stat").read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2 :].split()  # fields from the 3rd (state) on
+    return text[text.rindex(")") + 2 :].split()
 
 
 def tree(pid: int) -> list[int]:
@@ -59,11 +60,11 @@ def jit_seconds(pids: list[int]) -> float:
             try:
                 if "CompilerThre" not in Path(f"/proc/{pid}/task/{tid}/comm").read_text():
                     continue
-                text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             except OSError:
                 continue
-            fields = text[text.rindex(")") + 2 :].split()
-            used += int(fields[11]) + int(fields[12])
+            fields = _stat(pid, f"task/{tid}/")
+            if fields is not None:
+                used += int(fields[11]) + int(fields[12])  # utime, stime
     return used / TICK
 
 
@@ -101,36 +102,29 @@ class CpuMeter:
 
     def __init__(self, roots: dict[str, int], alone: tuple[str, ...] = ()) -> None:
         self.roots, self.alone = roots, alone  # `alone`: without their descendants
-        self.begin: dict[str, tuple[float, float]] = {}
-        self.jit0: dict[str, float] = {}
+        self.begin: dict[str, tuple[float, float, float]] = {}
         self.t0 = 0.0
         self.machine0 = (0.0, 0.0)
 
-    def _now(self) -> dict[str, tuple[float, float]]:
-        return {
-            name: cpu_seconds([pid] if name in self.alone else tree(pid))
-            for name, pid in self.roots.items()
-        }
-
-    def _jit(self) -> dict[str, float]:
-        return {
-            name: jit_seconds([pid] if name in self.alone else tree(pid))
-            for name, pid in self.roots.items()
-        }
+    def _now(self) -> dict[str, tuple[float, float, float]]:
+        """Per name: (user, system, JIT compilers') CPU seconds so far."""
+        now = {}
+        for name, pid in self.roots.items():
+            pids = [pid] if name in self.alone else tree(pid)
+            now[name] = (*cpu_seconds(pids), jit_seconds(pids))
+        return now
 
     def start(self) -> None:
-        self.jit0 = self._jit()
         self.begin, self.t0, self.machine0 = self._now(), time.monotonic(), machine_busy()
 
     def stop(self) -> dict[str, float]:
         end, wall, (busy, total) = self._now(), time.monotonic() - self.t0, machine_busy()
-        jit = self._jit()
         used: dict[str, float] = {}
-        for name, (user, system) in end.items():
-            user0, system0 = self.begin[name]
+        for name, (user, system, jit) in end.items():
+            user0, system0, jit0 = self.begin[name]
             used[f"{name}_pct"] = 100 * (user + system - user0 - system0) / wall
             used[f"{name}_sys_pct"] = 100 * (system - system0) / wall
-            used[f"{name}_jit_pct"] = 100 * (jit[name] - self.jit0[name]) / wall
+            used[f"{name}_jit_pct"] = 100 * (jit - jit0) / wall
         ours = sum(used[f"{name}_pct"] for name in end)
         used["machine_busy_pct"] = 100 * (busy - self.machine0[0]) / (total - self.machine0[1])
         # Everything else on the machine, in % of one core: other work disturbs the figures.
