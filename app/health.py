@@ -177,9 +177,9 @@ class HealthChecks:
         """Up when the processor group has members; lag = commands not yet processed."""
         admin = self._admin()
         group = self.topics.processor_group
-        described = admin.describe_groups([group]).get(group, {})
-        members = len(described.get("members", []))
-        committed = admin.list_group_offsets({group: None}).get(group, {})
+        described = admin.describe_consumer_groups([group])
+        members = sum(len(g.members) for g in described if g.group == group)
+        committed = admin.list_consumer_group_offsets(group)
         tps = [TopicPartition(self.topics.commands, p) for p in range(self.settings.partitions)]
         end = self._end_offsets(tps)
         lag = sum(max(end[tp] - (committed[tp].offset if tp in committed else 0), 0) for tp in tps)

@@ -61,7 +61,7 @@ from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.procs import free_port
 from stack.settings import Settings
-from stack.topics import Topics, create_topics
+from stack.topics import Topics, create_topics, wait_for_topics
 from tests.support import SECRET, HttpApi, Processes, token
 
 
@@ -283,7 +283,7 @@ def ceilings(stack: WriteStack, repeats: int) -> dict[str, float]:
         if topic not in admin.list_topics():
             spec = Topics(stack.settings.topic_prefix).specs()[0]  # an event topic
             admin.create_topics([NewTopic(topic, 1, 1, topic_configs=spec.configs)])
-            admin.wait_for_topics([topic], timeout_ms=30000)
+            wait_for_topics(admin, [topic], timeout_s=30.0)
     finally:
         admin.close()
     return {

@@ -94,7 +94,7 @@ from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
 from stack.procs import free_port, wait_until
 from stack.settings import Settings
-from stack.topics import Topics, admin_client, create_topics
+from stack.topics import Topics, admin_client, create_topics, wait_for_topics
 from tests.support import SECRET, HttpApi, Processes, token
 
 
@@ -508,7 +508,7 @@ def trivial_query(
     admin = admin_client(settings)
     try:  # the local broker does not create topics on first use
         admin.create_topics([NewTopic(topic, 1, settings.replication_factor)])
-        admin.wait_for_topics([topic], timeout_ms=30000)
+        wait_for_topics(admin, [topic], timeout_s=30.0)
     finally:
         admin.close()
     with psycopg.connect(settings.database(), autocommit=True) as conn:

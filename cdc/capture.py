@@ -130,6 +130,9 @@ class Capture:
             bootstrap_servers=self.settings.kafka(),
             metrics_enabled=False,
             acks="all",
+            # In order: a retried batch must not land after a later one in a changelog
+            # partition, where readers would take it for a resend and drop it.
+            enable_idempotence=True,
             linger_ms=5,
             max_block_ms=int(self.settings.kafka_timeout_s * 1000),
             request_timeout_ms=int(self.settings.kafka_timeout_s * 1000),

@@ -34,7 +34,7 @@ from commands.messages import CommandMessage, Position, Reply
 from commands.registry import AGGREGATES
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
-from events.store import committed_reader, drain
+from events.store import REQUEST_TIMEOUT_MS, committed_reader, drain
 from stack.settings import Settings
 from stack.topics import Topics
 
@@ -126,6 +126,11 @@ class PartitionOwner:
             # caps a partition at ~10 transactions/s (measured: see docs/benchmarks.md).
             retry_backoff_ms=10,
             max_block_ms=int(settings.kafka_timeout_s * 1000),
+            # A send the broker has not acknowledged in this time fails the transaction, and the
+            # processor starts again from what was committed (with new producers), rather than
+            # leaving the partition's commands waiting on a producer that may not reconnect.
+            request_timeout_ms=int(settings.kafka_timeout_s * 1000),
+            delivery_timeout_ms=int(settings.kafka_timeout_s * 1000) + 1000,
         )
         # Fences any previous owner of this partition and aborts its open transaction.
         self.producer.init_transactions()
@@ -342,6 +347,7 @@ class CommandProcessor:
             max_poll_records=500,
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
+            request_timeout_ms=REQUEST_TIMEOUT_MS,
         )
         consumer.subscribe([self.topics.commands], listener=_Rebalance(self))
         replica = SnapshotReplica(s.kafka(), self.topics.snapshots)

@@ -30,6 +30,5 @@ def configure(level: str = "INFO") -> None:
     # kafka-python is chatty at INFO about every connection.
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("kafka.coordinator.consumer").setLevel(logging.ERROR)
-    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     # py4j logs every callback from the JVM (each Spark micro-batch) at INFO.
     logging.getLogger("py4j").setLevel(logging.WARNING)

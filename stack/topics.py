@@ -5,11 +5,12 @@ the same partition in each (see events.partitioning)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
 
 from commands.handling import IDEMPOTENCY_RETENTION_S
 from events.catalog import AGGREGATE_TYPES
@@ -171,7 +172,7 @@ def create_topics(settings: Settings) -> list[str]:
                 pass
         if missing:
             # Leaders are elected asynchronously; users of the topics need them ready.
-            admin.wait_for_topics([s.name for s in missing], timeout_ms=30000)
+            wait_for_topics(admin, [s.name for s in missing], timeout_s=30.0)
         return created
     finally:
         admin.close()
@@ -184,7 +185,7 @@ def check_topics(settings: Settings) -> None:
     specs = topics.specs()
     admin = admin_client(settings)
     try:
-        described = {t["name"]: t for t in admin.describe_topics([s.name for s in specs])}
+        described = {t["topic"]: t for t in admin.describe_topics([s.name for s in specs])}
         problems = []
         present = []
         for spec in specs:
@@ -204,12 +205,11 @@ def check_topics(settings: Settings) -> None:
                     "(LOGFOLD_PARTITIONS); all Logfold topics must share one partition count"
                 )
         if present:
-            resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in present]
-            configs = admin.describe_configs(resources, config_filter="all")
+            configs = topic_configs(admin, [s.name for s in present])
             for spec in present:
-                actual = configs["topic"][spec.name]
+                actual = configs.get(spec.name, {})
                 for key, want in spec.configs.items():
-                    have = str(actual.get(key, {}).get("value"))
+                    have = str(actual.get(key))
                     if key == "min.compaction.lag.ms":
                         continue
                     if _normalized(have) != _normalized(want):
@@ -225,6 +225,40 @@ def check_topics(settings: Settings) -> None:
             )
     finally:
         admin.close()
+
+
+def wait_for_topics(admin: KafkaAdminClient, names: list[str], timeout_s: float) -> None:
+    """Return once every partition of every named topic has a leader; leaders are elected
+    asynchronously after a topic is created, and its users need them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        described = {t["topic"]: t for t in admin.describe_topics(names)}
+        ready = [
+            name
+            for name in names
+            if (topic := described.get(name)) is not None
+            and topic.get("error_code", 0) == 0
+            and topic["partitions"]
+            and all(p["leader"] >= 0 for p in topic["partitions"])
+        ]
+        if len(ready) == len(names):
+            return
+        if time.monotonic() > deadline:
+            waiting = sorted(set(names) - set(ready))
+            raise KafkaTimeoutError(f"topics without a leader after {timeout_s:.0f} s: {waiting}")
+        time.sleep(0.1)
+
+
+def topic_configs(admin: KafkaAdminClient, names: list[str]) -> dict[str, dict[str, str | None]]:
+    """Every configuration value of each named topic, defaults included, by topic and key."""
+    resources = [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+    configs: dict[str, dict[str, str | None]] = {}
+    for response in admin.describe_configs(resources):
+        for resource in response.to_object()["resources"]:
+            configs[resource["resource_name"]] = {
+                entry["config_names"]: entry["config_value"] for entry in resource["config_entries"]
+            }
+    return configs
 
 
 def _normalized(value: str) -> str:

@@ -75,7 +75,7 @@ def group_offsets(settings: Settings) -> dict[TopicPartition, int]:
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
     try:
         group = Topics(settings.topic_prefix).processor_group
-        found = admin.list_group_offsets({group: None}).get(group, {})
+        found = admin.list_consumer_group_offsets(group)
         return {tp: meta.offset for tp, meta in found.items()}
     finally:
         admin.close()

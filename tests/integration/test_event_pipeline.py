@@ -285,11 +285,11 @@ def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
     for name in ("Gone1", "Gone2", "Kept"):
         on_partition_0(name)  # offsets 2, 3, 4
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
+    spec = {s.name: s for s in Topics(settings.topic_prefix).specs()}[topic]
 
-    def policy(value: str) -> None:
-        admin.alter_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, topic, {"cleanup.policy": value})]
-        )
+    def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
+        configs = {**spec.configs, "cleanup.policy": value}
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
 
     try:  # a retention set by mistake (or an operator) deletes 2 and 3 before they are applied
         policy("compact,delete")  # Kafka deletes records only from topics that allow it

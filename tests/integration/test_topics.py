@@ -8,10 +8,16 @@ import subprocess
 import uuid
 
 import pytest
-from kafka.admin import KafkaAdminClient
+from kafka.admin import KafkaAdminClient, NewTopic
 
 from stack.settings import Settings
-from stack.topics import TopicMisconfigured, Topics, captured_tables, check_topics
+from stack.topics import (
+    TopicMisconfigured,
+    Topics,
+    captured_tables,
+    check_topics,
+    wait_for_topics,
+)
 from tests.support import cli as run_cli
 
 CLI_TIMEOUT_S = 90
@@ -31,20 +37,20 @@ def make_topics(
     """Create the deployment's topics by hand: all but `skip`, with some partition counts or
     configs overridden, and wait until the broker's metadata shows them."""
     topics = Topics(settings.topic_prefix)
-    wanted = {
-        spec.name: {
-            "num_partitions": (partitions or {}).get(
-                spec.name, spec.partitions or settings.partitions
-            ),
-            "replication_factor": settings.replication_factor,
-            "configs": {**spec.configs, **(configs or {}).get(spec.name, {})},
-        }
+    wanted = [
+        NewTopic(
+            spec.name,
+            (partitions or {}).get(spec.name, spec.partitions or settings.partitions),
+            settings.replication_factor,
+            topic_configs={**spec.configs, **(configs or {}).get(spec.name, {})},
+        )
         for spec in topics.specs()
         if spec.name != skip
-    }
+    ]
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka(), request_timeout_ms=30000)
     try:
-        admin.create_topics(wanted, wait_for_metadata=True)
+        admin.create_topics(wanted)
+        wait_for_topics(admin, [t.name for t in wanted], timeout_s=30.0)
     finally:
         admin.close()
     return topics
