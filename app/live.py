@@ -36,7 +36,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, Position, Snapshot, from_record, widen
-from events.store import REQUEST_TIMEOUT_MS
+from stack.settings import KAFKA_REQUEST_TIMEOUT_MS
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class Hub:
             # asks (as often as it polls).
             fetch_max_wait_ms=200,
             max_poll_records=500,  # smaller bursts into the outboxes
-            request_timeout_ms=REQUEST_TIMEOUT_MS,
+            request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
         )
         try:
             tps = {TopicPartition(topic, 0): table for table, topic in self.topic_of.items()}

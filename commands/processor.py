@@ -34,8 +34,8 @@ from commands.messages import CommandMessage, Position, Reply
 from commands.registry import AGGREGATES
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
-from events.store import REQUEST_TIMEOUT_MS, committed_reader, drain
-from stack.settings import Settings
+from events.store import committed_reader, drain
+from stack.settings import KAFKA_REQUEST_TIMEOUT_MS, Settings
 from stack.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -347,7 +347,7 @@ class CommandProcessor:
             max_poll_records=500,
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
-            request_timeout_ms=REQUEST_TIMEOUT_MS,
+            request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
         )
         consumer.subscribe([self.topics.commands], listener=_Rebalance(self))
         replica = SnapshotReplica(s.kafka(), self.topics.snapshots)

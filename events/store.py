@@ -10,14 +10,12 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
 from events.serialization import Envelope, decode
-
-# A request unanswered this long fails and is retried; kafka-python's consumers wait 305 s.
-REQUEST_TIMEOUT_MS = 30_000
+from stack.settings import KAFKA_REQUEST_TIMEOUT_MS
 
 
 def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
     """A group-less consumer that sees only committed transactions."""
-    config.setdefault("request_timeout_ms", REQUEST_TIMEOUT_MS)
+    config.setdefault("request_timeout_ms", KAFKA_REQUEST_TIMEOUT_MS)
     return KafkaConsumer(
         bootstrap_servers=bootstrap,
         metrics_enabled=False,  # kafka-python's own metrics, unused: a tenth of its CPU

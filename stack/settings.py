@@ -8,6 +8,9 @@ from pathlib import Path
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# A Kafka consumer's request unanswered this long fails and is retried (kafka-python waits 305 s).
+KAFKA_REQUEST_TIMEOUT_MS = 30_000
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOGFOLD_", extra="ignore", populate_by_name=True)

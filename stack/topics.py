@@ -5,15 +5,15 @@ the same partition in each (see events.partitioning)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
-from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import TopicAlreadyExistsError
 
 from commands.handling import IDEMPOTENCY_RETENTION_S
 from events.catalog import AGGREGATE_TYPES
+from stack.procs import wait_until
 from stack.settings import Settings
 from streams.registry import STREAMS
 
@@ -121,6 +121,13 @@ class Topics:
                 for t in captured_tables()
             ),
         ]
+
+    def spec(self, name: str) -> TopicSpec:
+        """The spec of the topic called `name`; KeyError if Logfold owns no such topic."""
+        for spec in self.specs():
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
 
 
 def captured_tables() -> list[str]:
@@ -230,23 +237,18 @@ def check_topics(settings: Settings) -> None:
 def wait_for_topics(admin: KafkaAdminClient, names: list[str], timeout_s: float) -> None:
     """Return once every partition of every named topic has a leader; leaders are elected
     asynchronously after a topic is created, and its users need them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def led() -> bool:
         described = {t["topic"]: t for t in admin.describe_topics(names)}
-        ready = [
-            name
-            for name in names
-            if (topic := described.get(name)) is not None
+        return all(
+            (topic := described.get(name)) is not None
             and topic.get("error_code", 0) == 0
             and topic["partitions"]
             and all(p["leader"] >= 0 for p in topic["partitions"])
-        ]
-        if len(ready) == len(names):
-            return
-        if time.monotonic() > deadline:
-            waiting = sorted(set(names) - set(ready))
-            raise KafkaTimeoutError(f"topics without a leader after {timeout_s:.0f} s: {waiting}")
-        time.sleep(0.1)
+            for name in names
+        )
+
+    wait_until(led, timeout_s, f"a leader for every partition of {sorted(names)}")
 
 
 def topic_configs(admin: KafkaAdminClient, names: list[str]) -> dict[str, dict[str, str | None]]:

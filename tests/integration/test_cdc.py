@@ -202,7 +202,7 @@ def test_the_first_snapshot_is_done_only_once_kafka_took_every_row(fresh: Settin
     insert_customers(fresh, keys, "snapshot")
     topic = Topics(fresh.topic_prefix).cdc("customers")
     admin = KafkaAdminClient(bootstrap_servers=fresh.kafka())
-    spec = {s.name: s for s in Topics(fresh.topic_prefix).specs()}[topic]
+    spec = Topics(fresh.topic_prefix).spec(topic)
 
     def limit(size: int) -> None:  # AlterConfigs resets what it is not given: give it all
         configs = {**spec.configs, "max.message.bytes": str(size)}

@@ -285,7 +285,7 @@ def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
     for name in ("Gone1", "Gone2", "Kept"):
         on_partition_0(name)  # offsets 2, 3, 4
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
-    spec = {s.name: s for s in Topics(settings.topic_prefix).specs()}[topic]
+    spec = Topics(settings.topic_prefix).spec(topic)
 
     def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
         configs = {**spec.configs, "cleanup.policy": value}
