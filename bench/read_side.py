@@ -857,7 +857,7 @@ STAGE_VARIANTS = {
     "every optimizer rule": {"lean_rules": ()},
     "FileContext checkpoints": {
         "spark.sql.streaming.checkpointFileManagerClass": (
-            "org.apache.spark.sql.execution.streaming.FileContextBasedCheckpointFileManager"
+            "org.apache.spark.sql.execution.streaming.checkpointing.FileContextBasedCheckpointFileManager"
         )
     },
 }

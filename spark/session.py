@@ -15,7 +15,7 @@ from stack.settings import Settings
 POM = Path(stack.__file__).parent / "spark" / "pom.xml"
 FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spark does
 CHECKPOINT_FILE_MANAGER = (
-    "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
+    "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 )
 
 
@@ -88,7 +88,7 @@ LEAN_EXCLUDED_RULES = (
             "BooleanSimplification",
             "ConstantFolding",
             "FoldablePropagation",
-            "MergeScalarSubqueries",
+            "MergeSubplans",
             "NullPropagation",
             "OptimizeCsvJsonExprs",
             "OptimizeIn",

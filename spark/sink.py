@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -326,7 +326,7 @@ def bulk_load(database_url: str, rows: DataFrame, table: str, columns: tuple[str
     (`docs/benchmarks.md`, rebuild)."""
     statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT csv)"
 
-    def load(batches: Iterable[Any]) -> Iterable[Any]:
+    def load(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
         from pyarrow import csv
 

@@ -56,3 +56,17 @@ def test_every_view_gets_the_same_rows_planned_lean_and_fully(spark: SparkSessio
     assert [list(r) for r in lean] == [list(r) for r in full]
     # Every event type made rows for some view (the comparison is not of empty columns).
     assert all(any(v not in (None, "[]") for v in r[4:]) for r in full)
+
+
+def test_every_rule_left_out_of_lean_planning_exists_in_this_spark(spark: SparkSession) -> None:
+    """Spark ignores an unknown name in `spark.sql.optimizer.excludedRules`: a rule renamed by
+    a Spark upgrade (4.2's `MergeSubplans` was `MergeScalarSubqueries`) would silently stay."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    missing = []
+    for rule in LEAN_EXCLUDED_RULES:
+        try:
+            jvm.java.lang.Class.forName(rule + "$")  # a rule is a Scala object
+        except Exception:
+            missing.append(rule)
+    assert not missing
