@@ -95,7 +95,9 @@ class RowsApplier:
             consumer.close()
 
 
-def start(spark: SparkSession, settings: Settings, scratch: str) -> tuple[StreamingQuery, Any]:
+def start(
+    spark: SparkSession, settings: Settings, scratch: str
+) -> tuple[StreamingQuery, RowsApplier]:
     projections = list(PROJECTIONS.values())
     pipeline = EventPipeline(spark, settings, projections, scratch)
     sink = EventSink(projections, settings)
