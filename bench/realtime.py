@@ -12,7 +12,7 @@ process:
   computed by the projector's own plan (`EventSink.with_rows`), written to a `rows` topic
   keyed by the record's topic and partition (so one source partition's rows stay in order);
 - a thread that reads that topic and applies what each poll returns with the projector's own
-  Postgres step (`EventSink._apply`: one transaction, each projection from its own progress).
+  Postgres step (`EventSink.apply`: one transaction, each projection from its own progress).
 
 Real-time mode runs one long-lived task per Kafka partition, which hands each record on as it
 arrives, instead of a micro-batch planned and run per trigger. Its sinks are Kafka, `foreach`
@@ -90,7 +90,7 @@ class RowsApplier:
                 if rows:
                     self.transactions += 1
                     self.records += len(rows)
-                    self.sink._apply(rows, {}, self.transactions)
+                    self.sink.apply(rows, {})
         finally:
             consumer.close()
 

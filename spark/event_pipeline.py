@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -52,9 +52,10 @@ from spark.sink import (
     count_once,
     drop_keys,
     ensure_progress,
+    forget_failures,
     lock_many,
     mark_failed,
-    mark_started,
+    mark_running,
     merge_json,
     read_progress,
     save_progress,
@@ -427,18 +428,26 @@ class EventSink:
         if not rows:
             return
         if any(not r[CURRENT] for r in rows):
-            rows, errors = self._upcast(records(batch_id), rows, errors)
+            rows, errors = self.with_upcast(records(batch_id), rows, errors)
         self.timings["spark"] = time.perf_counter() - started
-        self._apply(rows, errors, batch_id)
+        self.apply(rows, errors, f"batch {batch_id}")
 
-    def with_rows(self, events: DataFrame) -> DataFrame:
+    def with_rows(self, events: DataFrame, names: Collection[str] | None = None) -> DataFrame:
         """Of `events` (`every_event`), the position columns and every output's rows: what
         `_collect` reads. In the streaming query's plan, Spark analyses these large
         expressions once, when the query starts, instead of once per batch (where a `select`
         in `foreachBatch` would put them); a batch then only optimises its plan. Nothing else
         is selected, so `foreachBatch` collects the batch as it is given: a `select` there
-        converts each column through py4j, ~6 ms a live batch."""
-        columns = [c for p in self.projections for c in self.columns[p.name]]
+        converts each column through py4j, ~6 ms a live batch.
+
+        `names`: only those projections' rows; the others' columns are null."""
+        none = F.lit(None).cast("string")
+        columns: list[Column] = []
+        for p in self.projections:
+            if names is None or p.name in names:
+                columns += self.columns[p.name]
+            else:
+                columns += [none.alias(f"{p.name}.{o.name}") for o in p.outputs]
         return events.select(*position(), *columns)
 
     def warm(self, spark: SparkSession, rounds: int = 3) -> None:
@@ -490,7 +499,7 @@ class EventSink:
             rows.append(row)
         return rows, errors
 
-    def _upcast(
+    def with_upcast(
         self, events: DataFrame, rows: list[Any], errors: dict[str, str]
     ) -> tuple[list[Any], dict[str, str]]:
         """`rows` with those of the events at an older schema version (of `events`, the
@@ -527,7 +536,13 @@ class EventSink:
             raise RuntimeError(f"every projection failed: {errors}")
         return upcast_without({*failed, *errors}), errors
 
-    def _apply(self, rows: list[Any], errors: dict[str, str], batch_id: int) -> None:
+    def apply(
+        self, rows: list[Any], errors: dict[str, str], label: str | None = None
+    ) -> dict[str, int]:
+        """Apply `rows` (`with_rows`'s columns, in log order per partition) in one transaction:
+        each active projection the rows after its progress, in its own savepoint; those named
+        in `errors` are marked failed. Returns the events applied per projection; logs them
+        under `label` (None: not)."""
         projections = self.active
         conn = self.db.get()
         try:
@@ -560,10 +575,11 @@ class EventSink:
         except psycopg.OperationalError:
             conn.close()
             raise
-        if applied:
+        if applied and label is not None:
             took = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.timings.items())
             done = ", ".join(f"{n} +{c}" for n, c in applied.items())
-            log.info("batch %s (%s): %s", batch_id, took, done)
+            log.info("%s (%s): %s", label, took, done)
+        return applied
 
     def _fail(self, conn: psycopg.Connection[Any], name: str, error: str, offsets: Offsets) -> None:
         log.error("projection %s failed after %s: %s", name, offsets, error)
@@ -640,8 +656,33 @@ class EventPipeline:
                 doc[t][str(part)] = low + 1 if low >= 0 else -2
         return json.dumps(doc)
 
-    def start(self) -> StreamingQuery:
-        """Start the query from the projections' progress (a restart resumes the same way)."""
+    def realtime(self) -> bool:
+        """Whether the live path runs in real-time mode: wanted, and Spark has a task slot for
+        each partition the query reads, and one more for the jobs around it."""
+        if not self.settings.spark_realtime:
+            return False
+        have = self.spark.sparkContext.defaultParallelism
+        need = realtime_slots(self.settings, self.projections)
+        if have < need:
+            log.warning(
+                "folding events in micro-batches: real-time mode needs %d task slots (one per "
+                "partition read, two more for other jobs) and Spark has %d",
+                need,
+                have,
+            )
+            return False
+        return True
+
+    def checkpoint(self) -> str:
+        """A fresh checkpoint for a query's start, or Spark would resume from its own offsets
+        (Postgres's progress says where to start)."""
+        return tempfile.mkdtemp(dir=self.scratch)
+
+    def start(self) -> Running:
+        """Start the live pipeline from the projections' progress (a restart resumes the
+        same way): in real-time mode when it can (`spark/realtime.py`), else in micro-batches."""
+        from spark.realtime import RealTimeEvents  # it builds on this module
+
         names = [p.name for p in self.projections]
         if self.sink is not None:
             self.sink.db.close()
@@ -651,7 +692,19 @@ class EventPipeline:
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             for name in names:
                 ensure_progress(conn, name)
-            mark_started(conn, names)  # a failed projection is given another chance
+            forget_failures(conn, names)  # a failed projection is given another chance
+        if self.realtime():
+            return RealTimeEvents(self, self.sink).start()
+        query = self.micro_batches(self.sink)
+        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+            mark_running(conn, names)
+        return query
+
+    def micro_batches(self, sink: EventSink, catch_up: bool = False) -> StreamingQuery:
+        """The query in micro-batches, from the projections' progress; `catch_up`: up to the
+        log's end as it is now, then it stops."""
+        full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
+        sink.planning, sink.last_batch = BatchPlanning(), 0
         starting = self.starting_offsets()
         records = (
             self.spark.readStream.format("kafka")
@@ -662,9 +715,8 @@ class EventPipeline:
             .load()
         )
         idle_poll(self.spark, self.settings.spark_idle_poll_ms)
-        # A fresh checkpoint per start, or Spark would resume from its own offsets.
-        checkpoint = tempfile.mkdtemp(dir=self.scratch)
-        self.sink.records = BatchRecords(
+        checkpoint = self.checkpoint()
+        sink.records = BatchRecords(
             self.spark,
             self.settings.kafka(),
             self.topic_names(),
@@ -672,11 +724,31 @@ class EventPipeline:
             Path(checkpoint),
             starting,
         )
-        query = (
-            self.sink.with_rows(every_event(parse_events(records, self.stream_names())))
-            .writeStream.foreachBatch(self.sink)
-            .queryName(QUERY)
+        writer = (
+            sink.with_rows(every_event(parse_events(records, self.stream_names())))
+            .writeStream.foreachBatch(sink)
+            .queryName(f"{QUERY}-catch-up" if catch_up else QUERY)
             .option("checkpointLocation", checkpoint)
-            .start()
         )
-        return query
+        if catch_up:
+            writer = writer.trigger(availableNow=True)
+        return writer.start()
+
+
+class Running(Protocol):
+    """A running pipeline, as the projector watches it: a `StreamingQuery`, or what stands
+    for one."""
+
+    @property
+    def isActive(self) -> bool: ...  # as StreamingQuery spells it
+
+    def exception(self) -> BaseException | None: ...
+
+    def stop(self) -> None: ...
+
+
+def realtime_slots(settings: Settings, projections: Sequence[Projection]) -> int:
+    """Task slots the real-time query of `projections` needs: one per partition it reads, and
+    two more for the jobs beside it (catching up, upcasting, the joins' query)."""
+    topics = Topics(settings.topic_prefix)
+    return len({t for p in projections for t in p.topic_names(topics)}) * settings.partitions + 2

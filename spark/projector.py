@@ -1,6 +1,7 @@
 """The streaming projector: two Structured Streaming queries in one Spark driver.
 
-- `events` (spark/event_pipeline.py) folds the event log into every projection's views;
+- `events` (spark/event_pipeline.py) folds the event log into every projection's views, in
+  Spark's real-time mode where it can (spark/realtime.py);
 - `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views.
 
 Each fold keeps its own progress in Postgres, so a query always starts from the offsets after
@@ -23,11 +24,10 @@ from pathlib import Path
 from typing import Protocol
 
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming.query import StreamingQuery
 
 from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
-from spark.event_pipeline import EventPipeline
+from spark.event_pipeline import EventPipeline, Running, realtime_slots
 from spark.join import JoinPipeline
 from spark.session import session
 from stack.settings import Settings
@@ -38,7 +38,7 @@ MAX_PAUSE_S = 30.0
 
 
 class Pipeline(Protocol):
-    def start(self) -> StreamingQuery: ...
+    def start(self) -> Running: ...
 
 
 SCRATCH_PREFIX = "logfold-projector-"
@@ -78,21 +78,24 @@ class Projector:
         joins: Sequence[Join] | None = None,
     ) -> None:
         self.settings = settings
-        self.spark = spark or session(
-            settings, "logfold-projector", settings.projector_java_options
-        )
-        self.scratch = scratch_dir(settings)
         chosen = list(PROJECTIONS.values()) if projections is None else list(projections)
         joined = list(JOINS.values()) if joins is None else list(joins)
+        self.spark = spark or session(
+            settings,
+            "logfold-projector",
+            settings.projector_java_options,
+            slots=realtime_slots(settings, chosen) if settings.spark_realtime else 0,
+        )
+        self.scratch = scratch_dir(settings)
         self.pipelines: dict[str, Pipeline] = {}
         if chosen:
             self.pipelines["events"] = EventPipeline(self.spark, settings, chosen, self.scratch)
         if joined:
             self.pipelines["joins"] = JoinPipeline(self.spark, settings, joined, self.scratch)
-        self.queries: dict[str, StreamingQuery] = {}
+        self.queries: dict[str, Running] = {}
         self._stopping = threading.Event()
 
-    def start(self, name: str) -> StreamingQuery:
+    def start(self, name: str) -> Running:
         # Each query's jobs run in a scheduler pool of its own, so neither waits behind the other.
         self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", name)
         query = self.pipelines[name].start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -24,15 +25,30 @@ def kafka_jars(settings: Settings) -> list[str]:
     return sorted(str(p) for p in target.glob("*.jar"))
 
 
-def session(settings: Settings, app_name: str, java_options: str = "") -> SparkSession:
-    """A session on `LOGFOLD_SPARK_MASTER`; under `spark-submit`, its --master and --jars win
-    (and `java_options`, for the driver's JVM, apply only when this process starts it)."""
+def with_slots(master: str, slots: int) -> str:
+    """`master`, given at least `slots` task threads if it is a local one (`local`,
+    `local[n]`, `local[*]`): a local thread is a slot, not a core, and a real-time query holds
+    one per partition it reads for as long as it runs."""
+    found = re.fullmatch(r"local(?:\[(\*|\d+)\])?", master.strip())
+    if found is None:
+        return master
+    threads = found[1] or "1"
+    have = (os.cpu_count() or 1) if threads == "*" else int(threads)
+    return f"local[{max(have, slots)}]"
+
+
+def session(
+    settings: Settings, app_name: str, java_options: str = "", slots: int = 0
+) -> SparkSession:
+    """A session on `LOGFOLD_SPARK_MASTER` (a local one with at least `slots` task threads:
+    `with_slots`); under `spark-submit`, its --master and --jars win (and `java_options`, for
+    the driver's JVM, apply only when this process starts it)."""
     # Python workers must run in this interpreter's environment (where pandas and Logfold are).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which set these
         builder = (
-            builder.master(settings.spark_master)
+            builder.master(with_slots(settings.spark_master, slots))
             .config("spark.jars", ",".join(kafka_jars(settings)))
             .config("spark.driver.memory", settings.spark_driver_memory)
         )

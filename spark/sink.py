@@ -55,10 +55,23 @@ def lock_many(conn: psycopg.Connection[Any], names: list[str]) -> dict[str, Offs
 
 def mark_started(conn: psycopg.Connection[Any], names: list[str]) -> None:
     """`names` are being folded again: forget their last failure."""
+    forget_failures(conn, names)
+    mark_running(conn, names)
+
+
+def forget_failures(conn: psycopg.Connection[Any], names: list[str]) -> None:
+    """`names` are given another chance: forget their last failure."""
     conn.execute(
-        "UPDATE projection_progress SET started_at = now(), error = NULL, error_offsets = NULL, "
-        "failed_at = NULL WHERE projection = ANY(%s)",
+        "UPDATE projection_progress SET error = NULL, error_offsets = NULL, failed_at = NULL "
+        "WHERE projection = ANY(%s)",
         (names,),
+    )
+
+
+def mark_running(conn: psycopg.Connection[Any], names: list[str]) -> None:
+    """The query folding `names` runs, warm: what `logfold run` waits for."""
+    conn.execute(
+        "UPDATE projection_progress SET started_at = now() WHERE projection = ANY(%s)", (names,)
     )
 
 

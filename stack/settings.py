@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     # optimising JIT compiler (C2) spent a third of a core recompiling Spark's planner while
     # they ran; the quick one alone halved a view's lag on 2 cores (docs/benchmarks.md).
     projector_java_options: str = "-XX:TieredStopAtLevel=1"
+    # The event pipeline's live path in Spark's real-time mode (each event on its own, as it
+    # arrives; `docs/design.md`); off, or without a task slot per partition it reads (a local
+    # master is given them), it folds in micro-batches.
+    spark_realtime: bool = True
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
 

@@ -67,6 +67,10 @@ class Topics:
     def stream(self, name: str) -> str:
         return f"{self.prefix}streams.{name}"
 
+    @property
+    def projector_rows(self) -> str:
+        return f"{self.prefix}projector-rows"
+
     def cdc(self, table: str) -> str:
         return f"{self.prefix}cdc.{table}"
 
@@ -103,6 +107,12 @@ class Topics:
             TopicSpec(
                 self.replies,
                 "command outcomes for the API process waiting on them",
+                {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+            ),
+            TopicSpec(
+                self.projector_rows,
+                "each event's view rows, from the projector's real-time query to its writer",
+                # Read as they are written, by the process that writes them.
                 {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
             ),
             # Append-only; kept for good, so every view over a stream can be rebuilt from it.

@@ -167,6 +167,17 @@ class HttpApi:
         return self.session.get(f"{self.base_url}{path}", timeout=30, **kwargs)
 
 
+def projector_session(settings: Settings, app_name: str) -> Any:
+    """A Spark session in this process with the projector's task slots (its real-time query
+    holds one per partition it reads)."""
+    from projections.registry import PROJECTIONS
+    from spark.event_pipeline import realtime_slots
+    from spark.session import session
+
+    slots = realtime_slots(settings, list(PROJECTIONS.values()))
+    return session(settings, app_name, slots=slots)
+
+
 def cli(settings: Settings, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """`logfold <args>` for the deployment `settings`, run to its end."""
     return subprocess.run(

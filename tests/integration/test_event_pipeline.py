@@ -34,7 +34,13 @@ from stack.settings import Settings
 from stack.topics import Topics
 from tests.integration.test_upcasting import produce_raw, v1_customer_registered
 from tests.oracle import differences
-from tests.support import append_events, health_component, new_deployment, token
+from tests.support import (
+    append_events,
+    health_component,
+    new_deployment,
+    projector_session,
+    token,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -67,9 +73,7 @@ BROKEN = Projection(
 
 @pytest.fixture(scope="module")
 def spark(deployment: Settings) -> Iterator[Any]:
-    from spark.session import session
-
-    s = session(deployment, "logfold-isolation-tests")
+    s = projector_session(deployment, "logfold-isolation-tests")
     yield s
     s.stop()
 
@@ -313,4 +317,124 @@ def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
         assert 'logfold_lost_offsets{component="projection:customers"} 2.0' in metrics
     finally:
         close_app(app)
+        stop(projector)
+
+
+def running_live(settings: Settings, spark: Any, projections: tuple[Projection, ...]) -> Any:
+    """The event pipeline of `projections`, in real-time mode, once its query runs."""
+    from spark.realtime import RealTimeEvents
+
+    projector = run_events(settings, spark, projections)
+    live = projector.queries["events"]
+    assert isinstance(live, RealTimeEvents), "the projector's Spark has the slots it needs"
+
+    def running() -> bool:
+        assert live.isActive, live.exception()
+        with psycopg.connect(settings.database()) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM projection_progress WHERE started_at IS NULL "
+                "AND projection = ANY(%s)",
+                ([p.name for p in projections],),
+            ).fetchone()
+        return row is not None and row[0] == 0
+
+    wait_until(running, 120, "the real-time query")
+    return projector
+
+
+def rows_records(settings: Settings) -> list[Any]:
+    """Every record of the projector's rows topic."""
+    from kafka import KafkaConsumer
+
+    topic = Topics(settings.topic_prefix).projector_rows
+    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), enable_auto_commit=False)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        ends = consumer.end_offsets(parts)
+        found: list[Any] = []
+        while any(consumer.position(tp) < ends[tp] for tp in parts):
+            for records in consumer.poll(timeout_ms=1000).values():
+                found += records
+        return found
+    finally:
+        consumer.close()
+
+
+def on_partition(settings: Settings, partition: int, name: str) -> str:
+    """Register a customer called `name` whose events go to `partition`."""
+    while True:
+        cid = f"c-{uuid.uuid4().hex[:8]}"
+        if partition_for(cid, settings.partitions) == partition:
+            append_events(settings, "customer", cid, (1, CustomerRegistered(name, f"{cid}@x"), AT))
+            return cid
+
+
+def test_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
+    base_settings: Settings, spark: Any
+) -> None:
+    """Real-time mode delivers at least once (a retried task starts again from its epoch's
+    first offsets), and a stopped query's rows may still be in flight: rows of events a
+    projection applied change nothing, and rows of another query start are not applied."""
+    from kafka import KafkaProducer
+
+    settings = new_deployment(base_settings)
+    projector = running_live(settings, spark, (customers.projection,))
+    try:
+        on_partition(settings, 0, "Ada")
+        wait_until(lambda: customer_names(settings) == {"Ada"}, 120, "Ada")
+        (ada,) = [r for r in rows_records(settings) if b"Ada" in r.value]
+        replayed = json.loads(ada.value)
+        stale = {**replayed, "g": "another-start", "2": replayed["2"] + 2}
+        stale["7"] = replayed["7"].replace("Ada", "Mallory")
+        producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+        try:
+            for value in (replayed, stale):
+                producer.send(ada.topic, key=ada.key, value=json.dumps(value).encode()).get(30)
+        finally:
+            producer.close(timeout=10)
+        # Bob's rows follow those two in the same rows partition (the same key), so once he
+        # is in, they were read.
+        on_partition(settings, 0, "Bob")
+        wait_until(lambda: "Bob" in customer_names(settings), 120, "Bob")
+        assert customer_names(settings) == {"Ada", "Bob"}
+        with psycopg.connect(settings.database()) as conn:
+            row = conn.execute(
+                "SELECT events_applied FROM projection_progress WHERE projection = 'customers'"
+            ).fetchone()
+        assert row is not None and row[0] == 2  # each event once
+        assert "customers" not in differences(settings)  # the other views are not folded here
+    finally:
+        stop(projector)
+
+
+def test_an_old_schema_event_arriving_live_is_folded_upcast(
+    base_settings: Settings, spark: Any
+) -> None:
+    settings = new_deployment(base_settings)
+    projector = running_live(settings, spark, (customers.projection,))
+    try:
+        legacy = f"legacy-{uuid.uuid4().hex[:10]}"
+        produce_raw(settings, legacy, json.dumps(v1_customer_registered(legacy)).encode())
+        register(settings, "Linus")
+        wait_until(
+            lambda: {"Grace Hopper", "Linus"} <= customer_names(settings), 120, "both customers"
+        )
+        live = projector.queries["events"]
+        assert live.upcast_polls >= 1 and live.isActive  # upcast in place, not by a restart
+    finally:
+        stop(projector)
+
+
+def test_without_real_time_mode_the_pipeline_folds_in_micro_batches(
+    base_settings: Settings, spark: Any
+) -> None:
+    settings = new_deployment(base_settings, spark_realtime=False)
+    projector = run_events(settings, spark, (customers.projection,))
+    try:
+        assert projector.queries["events"].name == "events"  # a StreamingQuery of its own
+        register(settings, "Ken")
+        wait_until(lambda: customer_names(settings) == {"Ken"}, 120, "Ken")
+    finally:
         stop(projector)

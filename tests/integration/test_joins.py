@@ -27,7 +27,7 @@ from projections.wire import wire_row, wire_value
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import Processes, append_changes, cli, token
+from tests.support import Processes, append_changes, cli, projector_session, token
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -180,9 +180,7 @@ def settled(settings: Settings, oracle: Oracle, *joins: Join, timeout: float = 1
 
 @pytest.fixture(scope="module")
 def spark(deployment: Settings) -> Iterator[Any]:
-    from spark.session import session
-
-    s = session(deployment, "logfold-join-tests")
+    s = projector_session(deployment, "logfold-join-tests")
     yield s
     s.stop()
 

@@ -27,6 +27,7 @@ from tests.support import (
     health_component,
     log_of,
     new_deployment,
+    projector_session,
     token,
 )
 from tests.workload import Workload
@@ -346,8 +347,6 @@ def row_counts(settings: Settings) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def spark(deployment: Settings) -> Iterator[Any]:
-    from spark.session import session
-
-    s = session(deployment, "logfold-tests")
+    s = projector_session(deployment, "logfold-tests")
     yield s
     s.stop()
