@@ -887,7 +887,9 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
                 spark_session.LEAN_EXCLUDED_RULES = variant.get("lean_rules", lean)
                 key = "spark.sql.streaming.checkpointFileManagerClass"
                 spark.conf.set(key, variant.get(key, spark_session.CHECKPOINT_FILE_MANAGER))
-                projector = Projector(settings, spark, joins=[])
+                # Micro-batches, whose stages this measures (not the real-time query).
+                batches_only = settings.model_copy(update={"spark_realtime": False})
+                projector = Projector(batches_only, spark, joins=[])
                 runner = threading.Thread(target=projector.run, daemon=True)
                 runner.start()
                 feed(15)  # warm-up

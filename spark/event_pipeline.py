@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 QUERY = "events"
 MAX_RECORDS_PER_BATCH = 200_000
+# Real-time starts in a row whose query failed on its own (no projection at fault) before the
+# live path falls back to micro-batches, until the projector restarts.
+MAX_REALTIME_FAILURES = 3
 WIRE_TIME = "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"  # timestamps as ISO text in UTC
 
 
@@ -628,6 +631,8 @@ class EventPipeline:
         self.projections = list(projections)
         self.topics = Topics(settings.topic_prefix)
         self.sink: EventSink | None = None
+        self.running: Running | None = None
+        self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
 
     def topic_names(self) -> list[str]:
         return sorted({t for p in self.projections for t in p.topic_names(self.topics)})
@@ -636,23 +641,25 @@ class EventPipeline:
         """The stream topics it reads, with their streams' names."""
         return {self.topics.stream(s): s for p in self.projections for s in p.streams}
 
-    def starting_offsets(self) -> str:
+    def starting_offsets(self, names: Collection[str] | None = None) -> str:
         """Spark's startingOffsets: per partition, after the lowest progress of the
-        projections that read it (earliest where one has none)."""
+        projections (of `names`, if given) that read it (earliest where none has one)."""
         n = self.settings.partitions
+        chosen = [p for p in self.projections if names is None or p.name in names]
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
-            progress = {p.name: read_progress(conn, p.name) for p in self.projections}
+            progress = {p.name: read_progress(conn, p.name) for p in chosen}
         doc: dict[str, dict[str, int]] = {}
         for t in self.topic_names():
             doc[t] = {}
             for part in range(n):
                 key = f"{t}:{part}"
                 readers = [
-                    progress[p.name].get(key, -1)
-                    for p in self.projections
-                    if key in p.reads(self.topics, n)
+                    progress[p.name].get(key, -1) for p in chosen if key in p.reads(self.topics, n)
                 ]
-                low = min(readers, default=-1)
+                if not readers:  # read only by projections left out: from its end
+                    doc[t][str(part)] = -1
+                    continue
+                low = min(readers)
                 doc[t][str(part)] = low + 1 if low >= 0 else -2
         return json.dumps(doc)
 
@@ -660,6 +667,14 @@ class EventPipeline:
         """Whether the live path runs in real-time mode: wanted, and Spark has a task slot for
         each partition the query reads, and one more for the jobs around it."""
         if not self.settings.spark_realtime:
+            return False
+        if self.realtime_failures >= MAX_REALTIME_FAILURES:
+            log.warning(
+                "folding events in micro-batches: the real-time query failed %d times in a row "
+                "with no projection at fault (see the errors above); the projector tries "
+                "real-time mode again when it restarts",
+                self.realtime_failures,
+            )
             return False
         have = self.spark.sparkContext.defaultParallelism
         need = realtime_slots(self.settings, self.projections)
@@ -693,12 +708,17 @@ class EventPipeline:
             for name in names:
                 ensure_progress(conn, name)
             forget_failures(conn, names)  # a failed projection is given another chance
+        previous = self.running
+        if isinstance(previous, RealTimeEvents):
+            failed = previous.query_failed and not previous.applied
+            self.realtime_failures = self.realtime_failures + 1 if failed else 0
         if self.realtime():
-            return RealTimeEvents(self, self.sink).start()
-        query = self.micro_batches(self.sink)
+            self.running = RealTimeEvents(self, self.sink).start()
+            return self.running
+        self.running = self.micro_batches(self.sink)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             mark_running(conn, names)
-        return query
+        return self.running
 
     def micro_batches(self, sink: EventSink, catch_up: bool = False) -> StreamingQuery:
         """The query in micro-batches, from the projections' progress; `catch_up`: up to the

@@ -41,6 +41,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -82,6 +83,7 @@ class RealTimeEvents:
         self.rows_topic = pipeline.topics.projector_rows
         self.applied = 0  # polls applied (transactions)
         self.upcast_polls = 0  # of them with events at an older schema version
+        self.query_failed = False  # stopped by its real-time query's own error
         self._since_log: dict[str, int] = {}
         self._transactions = 0
         self._logged_at = time.monotonic()
@@ -117,9 +119,12 @@ class RealTimeEvents:
             live: set[str] = set()
             while not self._stopping.is_set():
                 self._catch_up()
+                if self._stopping.is_set():
+                    break
                 names = {p.name for p in self.sink.active}
                 if stopped_by is not None and names == live:
-                    raise stopped_by  # the micro-batches found no projection at fault
+                    self.query_failed = True  # the micro-batches found no projection at fault
+                    raise stopped_by
                 if not names:
                     raise RuntimeError(f"every projection failed: {self.sink.failed}")
                 live = names
@@ -160,15 +165,13 @@ class RealTimeEvents:
             with psycopg.connect(self.settings.database(), autocommit=True) as conn:
                 mark_running(conn, [p.name for p in self.sink.projections])
             log.info("real-time query running: %s", ", ".join(sorted(names)))
+            last: dict[str, int] = {}
             while not self._stopping.is_set():
                 if not query.isActive:
                     return query.exception() or RuntimeError("the real-time query stopped")
-                rows = []
-                for records in consumer.poll(timeout_ms=POLL_MS).values():
-                    for record in records:
-                        found = json.loads(record.value)
-                        if found.get(GENERATION) == generation:
-                            rows.append([found.get(str(i)) for i in range(width)])
+                polled = consumer.poll(timeout_ms=POLL_MS).values()
+                values = (record.value for records in polled for record in records)
+                rows = rows_of(values, generation, width, last)
                 if rows:
                     self._apply(rows)
             return None
@@ -190,18 +193,24 @@ class RealTimeEvents:
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
             metrics_enabled=False,
             client_id="logfold-projector-rows",
+            # Rows deleted before they were read (the thread far behind): an error, which
+            # restarts the pipeline from Postgres's progress, not a silent jump ahead.
+            auto_offset_reset="none",
         )
-        partitions = consumer.partitions_for_topic(self.rows_topic)
-        if not partitions:
+        try:
+            partitions = consumer.partitions_for_topic(self.rows_topic)
+            if not partitions:
+                raise RuntimeError(
+                    f"topic {self.rows_topic} is missing (run `logfold topics --create`)"
+                )
+            assigned = [TopicPartition(self.rows_topic, p) for p in sorted(partitions)]
+            consumer.assign(assigned)
+            consumer.seek_to_end(*assigned)
+            for tp in assigned:
+                consumer.position(tp)  # resolved now, before the query writes
+        except BaseException:
             consumer.close()
-            raise RuntimeError(
-                f"topic {self.rows_topic} is missing (run `logfold topics --create`)"
-            )
-        assigned = [TopicPartition(self.rows_topic, p) for p in sorted(partitions)]
-        consumer.assign(assigned)
-        consumer.seek_to_end(*assigned)
-        for tp in assigned:
-            consumer.position(tp)  # resolved now, before the query writes
+            raise
         return consumer
 
     def _query_of(self, names: set[str], generation: str) -> tuple[StreamingQuery, int]:
@@ -214,7 +223,7 @@ class RealTimeEvents:
             # only spins while idle.
             .option("kafka.fetch.max.wait.ms", "500")
             .option("subscribe", ",".join(self.pipeline.topic_names()))
-            .option("startingOffsets", self.pipeline.starting_offsets())
+            .option("startingOffsets", self.pipeline.starting_offsets(names))
             .load()
         )
         events = every_event(parse_events(records, self.pipeline.stream_names()))
@@ -267,3 +276,23 @@ class RealTimeEvents:
         assign, starting, ending = between_json({k: v - 1 for k, v in low.items()}, high)
         raw = read_batch(self.pipeline.spark, self.settings.kafka(), [], starting, ending, assign)
         return every_event(parse_events(raw, self.pipeline.stream_names()))
+
+
+def rows_of(
+    values: Iterable[bytes], generation: str, width: int, last: dict[str, int]
+) -> list[list[Any]]:
+    """The rows (`width` columns) in `values` (records of the rows topic, in order) that
+    `generation` wrote, each source record's once. `last`, per source partition the last
+    offset taken (updated): a retried task writes its epoch's rows again, maybe into the same
+    poll, where a projection's progress (read once per transaction) would not skip them."""
+    rows = []
+    for value in values:
+        found = json.loads(value)
+        if found.get(GENERATION) != generation:
+            continue
+        row = [found.get(str(i)) for i in range(width)]
+        key = f"{row[TOPIC]}:{row[PARTITION]}"
+        if row[OFFSET] > last.get(key, -1):
+            last[key] = row[OFFSET]
+            rows.append(row)
+    return rows

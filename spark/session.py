@@ -27,14 +27,14 @@ def kafka_jars(settings: Settings) -> list[str]:
 
 def with_slots(master: str, slots: int) -> str:
     """`master`, given at least `slots` task threads if it is a local one (`local`,
-    `local[n]`, `local[*]`): a local thread is a slot, not a core, and a real-time query holds
-    one per partition it reads for as long as it runs."""
-    found = re.fullmatch(r"local(?:\[(\*|\d+)\])?", master.strip())
+    `local[n]`, `local[*]`, with task retries `local[n,f]`): a local thread is a slot, not a
+    core, and a real-time query holds one per partition it reads for as long as it runs."""
+    found = re.fullmatch(r"local(?:\[(\*|\d+)(,\d+)?\])?", master.strip())
     if found is None:
         return master
     threads = found[1] or "1"
     have = (os.cpu_count() or 1) if threads == "*" else int(threads)
-    return f"local[{max(have, slots)}]"
+    return f"local[{max(have, slots)}{found[2] or ''}]"
 
 
 def session(

@@ -26,6 +26,10 @@ from stack.procs import port_open, stop_process, wait_until
 from stack.settings import Settings
 from stack.topics import check_topics, create_topics
 
+# How long `logfold run` waits for the projector's live queries before its banner: they start
+# once warm and caught up with the log (seconds, unless the views have much of it to fold).
+PROJECTOR_START_S = 300
+
 
 def load_or_create_secret(path: Path) -> str:
     """The local stack's token secret, created on first use atomically with mode 0600; two
@@ -117,13 +121,23 @@ class LocalStack:
         for _ in range(s.processors):
             self.spawn("processor")
         self._projector_spawned = self._database_now()
-        self.spawn("projector")
+        projector = self.spawn("projector")
         self.spawn("cdc")
         self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)
         self.say("waiting for the Spark projector to warm up and start its queries…")
-        wait_until(self._projector_started, 300, "the projector's queries")
+        try:
+            wait_until(self._projector_started, PROJECTOR_START_S, "the projector's queries")
+        except TimeoutError:
+            if projector.poll() is not None:
+                raise
+            # Its queries start live once they have caught up with the log: a long log the
+            # views have not seen yet takes a while. They serve meanwhile, lagging.
+            self.say(
+                "the projector is still catching up with the log; views lag until it has "
+                "(their lag: /health, /views)"
+            )
 
     def _database_now(self) -> datetime:
         import psycopg

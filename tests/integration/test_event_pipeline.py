@@ -126,12 +126,12 @@ def place(settings: Settings) -> str:
 def test_a_failing_projection_stops_alone_is_reported_and_catches_up_once_fixed(
     deployment: Settings, spark: Any
 ) -> None:
-    projector = run_events(deployment, spark, (BROKEN, orders.projection))
+    projector = running_live(deployment, spark, (BROKEN, orders.projection))
     try:
         register(deployment, "Ada")
         wait_until(lambda: "Ada" in customer_names(deployment), 120, "Ada in customers")
 
-        register(deployment, POISON)
+        register(deployment, POISON)  # stops the real-time query; the catch-up isolates it
         wait_until(lambda: failure(deployment)[0] is not None, 120, "customers marked failed")
         error, offsets = failure(deployment)
         assert error is not None and "deliberately broken" in error
@@ -324,6 +324,8 @@ def running_live(settings: Settings, spark: Any, projections: tuple[Projection, 
     """The event pipeline of `projections`, in real-time mode, once its query runs."""
     from spark.realtime import RealTimeEvents
 
+    with psycopg.connect(settings.database()) as conn:
+        since = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
     projector = run_events(settings, spark, projections)
     live = projector.queries["events"]
     assert isinstance(live, RealTimeEvents), "the projector's Spark has the slots it needs"
@@ -332,11 +334,11 @@ def running_live(settings: Settings, spark: Any, projections: tuple[Projection, 
         assert live.isActive, live.exception()
         with psycopg.connect(settings.database()) as conn:
             row = conn.execute(
-                "SELECT count(*) FROM projection_progress WHERE started_at IS NULL "
+                "SELECT count(*) FROM projection_progress WHERE started_at >= %s "
                 "AND projection = ANY(%s)",
-                ([p.name for p in projections],),
+                (since, [p.name for p in projections]),
             ).fetchone()
-        return row is not None and row[0] == 0
+        return row is not None and row[0] == len(projections)
 
     wait_until(running, 120, "the real-time query")
     return projector
