@@ -221,7 +221,7 @@ class RealTimeEvents:
             .options(**kafka_options(self.settings.kafka()))
             # A long-lived task's fetch returns as soon as a record arrives; a shorter wait
             # only spins while idle.
-            .option("kafka.fetch.max.wait.ms", "500")
+            .option("kafka.fetch.max.wait.ms", str(self.settings.spark_realtime_fetch_wait_ms))
             .option("subscribe", ",".join(self.pipeline.topic_names()))
             .option("startingOffsets", self.pipeline.starting_offsets(names))
             .load()

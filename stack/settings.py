@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     # arrives; `docs/design.md`); off, or without a task slot per partition it reads (a local
     # master is given them), it folds in micro-batches.
     spark_realtime: bool = True
+    # How long the real-time query's Kafka fetches wait for a record when there is none (a
+    # record ends the wait at once): longer asks the broker less often while idle, and holds
+    # up the query's epoch boundary (every 5 minutes) by as much at most.
+    spark_realtime_fetch_wait_ms: int = Field(default=500, ge=1, le=10_000)
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
 
