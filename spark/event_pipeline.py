@@ -664,8 +664,8 @@ class EventPipeline:
         return json.dumps(doc)
 
     def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode: wanted, and Spark has a task slot for
-        each partition the query reads, and one more for the jobs around it."""
+        """Whether the live path runs in real-time mode: wanted, not failing on its own, and
+        Spark has the task slots `realtime_slots` counts."""
         if not self.settings.spark_realtime:
             return False
         if self.realtime_failures >= MAX_REALTIME_FAILURES:

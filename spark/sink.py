@@ -54,7 +54,7 @@ def lock_many(conn: psycopg.Connection[Any], names: list[str]) -> dict[str, Offs
 
 
 def mark_started(conn: psycopg.Connection[Any], names: list[str]) -> None:
-    """`names` are being folded again: forget their last failure."""
+    """`names` are being folded again: forget their last failure; their query runs."""
     forget_failures(conn, names)
     mark_running(conn, names)
 
