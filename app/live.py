@@ -36,7 +36,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, Position, Snapshot, from_record, widen
-from stack.settings import KAFKA_REQUEST_TIMEOUT_MS
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class Hub:
             # How long the broker holds a fetch when there is nothing new: a change that
             # arrives meanwhile is answered at once, so this only sets how often an idle hub
             # asks (as often as it polls).
-            fetch_max_wait_ms=200,
+            fetch_max_wait_ms=IDLE_POLL_MS,
             max_poll_records=500,  # smaller bursts into the outboxes
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
         )
@@ -248,7 +248,7 @@ class Hub:
             if not pending:
                 self.ready.set()
             while not self._stopping.is_set():
-                batch = consumer.poll(timeout_ms=200)
+                batch = consumer.poll(timeout_ms=IDLE_POLL_MS)
                 for tp, records in batch.items():
                     table = tps[tp]
                     changes = [

@@ -15,7 +15,7 @@ from kafka.errors import KafkaError
 from commands.messages import CommandMessage, Reply
 from events.partitioning import partition_for
 from events.store import committed_reader
-from stack.settings import Settings
+from stack.settings import IDLE_POLL_MS, Settings
 from stack.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class CommandBus:
                 consumer.seek(tp, self._resume_at)
             self._ready.set()
             while not self._stopping.is_set():
-                polled = consumer.poll(timeout_ms=200)
+                polled = consumer.poll(timeout_ms=IDLE_POLL_MS)
                 self._resume_at = consumer.position(tp)
                 me = self.instance_id.encode()
                 for records in polled.values():

@@ -35,7 +35,7 @@ from commands.registry import AGGREGATES
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
 from events.store import committed_reader, drain
-from stack.settings import KAFKA_REQUEST_TIMEOUT_MS, Settings
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings
 from stack.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -354,7 +354,7 @@ class CommandProcessor:
         refs = References(self.owners, replica, s.partitions)
         try:
             while not self._stopping.is_set():
-                batches = consumer.poll(timeout_ms=100)
+                batches = consumer.poll(timeout_ms=IDLE_POLL_MS)
                 self._claim(consumer)
                 replica.skip(set(self.owners))
                 replica.poll()

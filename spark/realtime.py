@@ -54,7 +54,7 @@ from spark.decode import between_json, every_event, kafka_options, parse_events,
 from spark.event_pipeline import CURRENT, OFFSET, PARTITION, TOPIC, EventSink, first_line
 from spark.session import full_planning
 from spark.sink import mark_running
-from stack.settings import KAFKA_REQUEST_TIMEOUT_MS
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS
 
 if TYPE_CHECKING:
     from spark.event_pipeline import EventPipeline
@@ -63,9 +63,9 @@ log = logging.getLogger(__name__)
 
 QUERY = "events"
 # How often Spark checkpoints the query's progress (real-time mode's least is 5 s). Each epoch
-# boundary stalls the query for 0.4-0.8 s, and Postgres, not the checkpoint, holds progress.
-EPOCH = "5 minutes"
-POLL_MS = 200  # the longest wait for rows before the thread looks at the query again
+# boundary stalls the query for up to its Kafka fetch wait plus 0.4-0.8 s, and Postgres, not
+# the checkpoint, holds progress: so rarely.
+EPOCH = "30 minutes"
 MAX_POLL_RECORDS = 5000
 LOG_EVERY_S = 10.0  # what was applied, logged at most this often
 GENERATION = "g"  # the field of a rows record naming the query start that wrote it
@@ -169,7 +169,7 @@ class RealTimeEvents:
             while not self._stopping.is_set():
                 if not query.isActive:
                     return query.exception() or RuntimeError("the real-time query stopped")
-                polled = consumer.poll(timeout_ms=POLL_MS).values()
+                polled = consumer.poll(timeout_ms=IDLE_POLL_MS).values()
                 values = (record.value for records in polled for record in records)
                 rows = rows_of(values, generation, width, last)
                 if rows:

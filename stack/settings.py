@@ -10,6 +10,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # A Kafka consumer's request unanswered this long fails and is retried (kafka-python waits 305 s).
 KAFKA_REQUEST_TIMEOUT_MS = 30_000
+# How long a Kafka consumer's poll waits when there is nothing to read. A record that arrives
+# ends the wait at once (the broker answers a fetch as soon as it has one), so this sets only
+# how often an idle loop wakes, looks around and polls again: CPU at idle, not latency.
+IDLE_POLL_MS = 500
 
 
 class Settings(BaseSettings):
@@ -64,7 +68,7 @@ class Settings(BaseSettings):
     spark_realtime: bool = True
     # How long the real-time query's Kafka fetches wait for a record when there is none (a
     # record ends the wait at once): longer asks the broker less often while idle, and holds
-    # up the query's epoch boundary (every 5 minutes) by as much at most.
+    # up the query's epoch boundary (every 30 minutes) by as much at most.
     spark_realtime_fetch_wait_ms: int = Field(default=500, ge=1, le=10_000)
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
