@@ -6,6 +6,7 @@
     .venv/bin/python bench/read_side.py batch --events 200000 --repeats 5
     .venv/bin/python bench/read_side.py stages --rate 40 --duration 30 --repeats 2
     .venv/bin/python bench/read_side.py through-the-api --count 50 --repeats 3
+    .venv/bin/python bench/read_side.py first-reads --count 5 --repeats 3
 
 freshness: the whole pipeline (processor, projector, CDC, API) on local Kafka and Postgres.
 Commands are posted open-loop at each rate; for every 201 we record when its row is visible: in
@@ -26,6 +27,10 @@ until the view includes the command's position); from the 201 until the API answ
 until the row was visible in Postgres (watched every 5 ms at the same time): the difference is
 what the API's waiting adds. `customers` after `register-customer`, the joined
 `order_summaries` after `place-order`.
+
+first-reads: read-your-writes (`register-customer`, then its row in `customers`) right after
+the stack started, as the README's first example does, then a few more in a row; a new stack
+for each run.
 
 idle: the whole stack as `make run` starts it (processor, projector, CDC, API, Kafka,
 Postgres), warmed by one command and caught up, then left alone: CPU used by all its processes,
@@ -323,6 +328,28 @@ def read_your_write(settings: Settings, api: HttpApi) -> float:
                 raise TimeoutError(f"customer {cid} not visible after 60 s")
             time.sleep(0.005)
     return (time.perf_counter() - acked) * 1e3
+
+
+def first_reads(args: argparse.Namespace) -> dict[str, Any]:
+    """A new stack each run, started as `make run` starts it (returned once it would print its
+    banner), then --count read-your-writes in a row (`read_your_write`): the README's first
+    read against the later ones."""
+    runs = []
+    for _ in tqdm(range(args.repeats), desc="stacks", unit="run"):
+        stack = Stack()
+        with stack as settings:
+            procs = Processes(settings, stack.work, extra(args))
+            try:
+                api, _ = start_warmed(stack, procs)
+                runs.append([read_your_write(settings, api) for _ in range(args.count)])
+            finally:
+                procs.stop()
+    return {
+        "benchmark": "first-reads",
+        "first_ms": statistics.median(r[0] for r in runs),
+        "later_ms": statistics.median(ms for r in runs for ms in r[1:]),
+        "runs_ms": runs,
+    }
 
 
 def through_the_api(args: argparse.Namespace) -> dict[str, Any]:
@@ -1028,6 +1055,9 @@ def main() -> None:
     )
     w.add_argument("--count", type=int, default=50, help="commands per run")
     w.add_argument("--repeats", type=int, default=3)
+    fr = sub.add_parser("first-reads", help="read-your-writes right after a start, then later")
+    fr.add_argument("--count", type=int, default=5, help="reads in a row after each start")
+    fr.add_argument("--repeats", type=int, default=3, help="stacks started")
     i = sub.add_parser("idle", help="CPU of the whole stack left alone")
     i.add_argument("--duration", type=float, default=60)
     i.add_argument(
@@ -1044,7 +1074,7 @@ def main() -> None:
     )
     i.add_argument("--max-settle", type=float, default=600, help="seconds of settling at most")
     i.add_argument("--repeats", type=int, default=3)
-    for p in (f, i, w):
+    for p in (f, i, w, fr):
         p.add_argument(
             "--set",
             action="append",
@@ -1060,6 +1090,7 @@ def main() -> None:
         "batch": batch_cost,
         "stages": stages,
         "through-the-api": through_the_api,
+        "first-reads": first_reads,
     }
     result = runs[args.which](args)
     print(json.dumps(result, indent=2, default=str))

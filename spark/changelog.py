@@ -19,6 +19,9 @@ def _header(name: str) -> Column:
     return F.get(F.filter("headers", lambda h: h["key"] == F.lit(name)), 0)["value"]
 
 
+RECORD_COLUMNS = ("topic", "partition", "offset", "table", "key", "row", "lsn", "seq")
+
+
 def records(raw: DataFrame, tables: dict[str, str]) -> DataFrame:
     """Changelog records as read by Spark's Kafka source (with `includeHeaders`) → topic,
     partition, offset, table (`tables`: topic -> table), key (the primary key as JSON text),

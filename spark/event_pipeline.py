@@ -42,7 +42,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from events.catalog import EVENTS_BY_AGGREGATE
 from events.serialization import Envelope, encode
-from projections.base import Offsets, Output, Projection
+from projections.base import Join, Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -677,7 +677,7 @@ class EventPipeline:
             )
             return False
         have = self.spark.sparkContext.defaultParallelism
-        need = realtime_slots(self.settings, self.projections)
+        need = realtime_partitions(self.settings, self.projections) + 2
         if have < need:
             log.warning(
                 "folding events in micro-batches: real-time mode needs %d task slots (one per "
@@ -767,8 +767,20 @@ class Running(Protocol):
     def stop(self) -> None: ...
 
 
-def realtime_slots(settings: Settings, projections: Sequence[Projection]) -> int:
-    """Task slots the real-time query of `projections` needs: one per partition it reads, and
-    two more for the jobs beside it (catching up, upcasting, the joins' query)."""
+def realtime_slots(
+    settings: Settings, projections: Sequence[Projection], joins: Sequence[Join] = ()
+) -> int:
+    """Task slots the real-time queries of `projections` and of `joins` need: one per partition
+    they read, and two more for the jobs beside them (catching up, upcasting)."""
+    return realtime_partitions(settings, projections) + len(join_tables(joins)) + 2
+
+
+def realtime_partitions(settings: Settings, projections: Sequence[Projection]) -> int:
+    """The event partitions the real-time query of `projections` reads: a task slot each."""
     topics = Topics(settings.topic_prefix)
-    return len({t for p in projections for t in p.topic_names(topics)}) * settings.partitions + 2
+    return len({t for p in projections for t in p.topic_names(topics)}) * settings.partitions
+
+
+def join_tables(joins: Sequence[Join]) -> set[str]:
+    """The tables whose changelogs (one partition each) the joins' query reads."""
+    return {t for j in joins for t in j.tables}

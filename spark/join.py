@@ -36,6 +36,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
+from spark.event_pipeline import MAX_REALTIME_FAILURES, Running
 from spark.gaps import Gaps, check_gaps
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -44,11 +45,12 @@ from spark.sink import (
     bulk_load,
     copy_rows,
     ensure_progress,
+    forget_failures,
     last_offsets,
     lock_many,
     lock_progress,
     mark_failed,
-    mark_started,
+    mark_running,
     read_progress,
     replace_contents,
     save_progress,
@@ -133,7 +135,7 @@ def apply_records(
     return {**offsets, **seen}, applied, apply_changes(conn, join, changes).written
 
 
-def newest_changes(join: Join, recs: list[Any], offsets: Offsets) -> list[dict[str, Any]]:
+def newest_changes(join: Join, recs: Sequence[Any], offsets: Offsets) -> list[dict[str, Any]]:
     """The records (as `records` returns them) of `join`'s tables after `offsets`, reduced to
     the newest change of each key by position (as `latest` does in Spark), as changes of the
     join's sides (as `side_changes` returns them)."""
@@ -179,6 +181,18 @@ class JoinSink:
         if not recs:
             return
         collected = time.perf_counter()
+        self.apply(recs, f"batch {batch_id}")
+        log.info(
+            "batch %s (spark %.0f ms, postgres %.0f ms)",
+            batch_id,
+            (collected - started) * 1e3,
+            (time.perf_counter() - collected) * 1e3,
+        )
+
+    def apply(self, recs: Sequence[Any], label: str | None = None) -> dict[str, int]:
+        """Apply changelog records (as `records` returns them, in order per partition) in one
+        transaction: each join from its own progress, in its own savepoint. Returns the
+        records each join applied. `label`: the micro-batch, logged per join."""
         last: Offsets = {}
         for r in recs:
             k = f"{r['topic']}:{r['partition']}"
@@ -186,22 +200,17 @@ class JoinSink:
         conn = self.db.get()
         try:
             with conn.transaction():
-                self._apply(conn, recs, last, batch_id)
-            log.info(
-                "batch %s (spark %.0f ms, postgres %.0f ms)",
-                batch_id,
-                (collected - started) * 1e3,
-                (time.perf_counter() - collected) * 1e3,
-            )
+                return self._apply(conn, recs, last, label)
         except psycopg.OperationalError:
             conn.close()
             raise
 
     def _apply(
-        self, conn: psycopg.Connection[Any], recs: list[Any], last: Offsets, batch_id: int
-    ) -> None:
+        self, conn: psycopg.Connection[Any], recs: Sequence[Any], last: Offsets, label: str | None
+    ) -> dict[str, int]:
         active = [j for j in self.joins if j.name not in self.failed]
         progress = lock_many(conn, [j.name for j in active])
+        counts: dict[str, int] = {}
         for join in active:
             offsets = progress.get(join.name, {})
             mine = {k: o for k, o in last.items() if self.tables[_topic(k)] in join.tables}
@@ -229,14 +238,17 @@ class JoinSink:
                 mark_failed(conn, join.name, error, offsets)
                 self.failed.add(join.name)
                 continue
-            log.info(
-                "%s: batch %s applied %s records, derived %s rows, wrote %s",
+            counts[join.name] = applied
+            log.log(
+                logging.INFO if label else logging.DEBUG,
+                "%s: %s applied %s records, derived %s rows, wrote %s",
                 join.name,
-                batch_id,
+                label or "poll",
                 applied,
                 done.derived,
                 done.written,
             )
+        return counts
 
 
 def _topic(partition_key: str) -> str:
@@ -247,13 +259,21 @@ class JoinPipeline:
     """Runs the live pipeline of every join (see the module's docstring)."""
 
     def __init__(
-        self, spark: SparkSession, settings: Settings, joins: Sequence[Join], scratch: str
+        self,
+        spark: SparkSession,
+        settings: Settings,
+        joins: Sequence[Join],
+        scratch: str,
+        beside: int = 0,
     ) -> None:
         self.spark, self.settings, self.scratch = spark, settings, scratch
         self.joins = list(joins)
         topics = Topics(settings.topic_prefix)
         self.tables = {topics.cdc(t): t for j in self.joins for t in j.tables}
+        self.beside = beside  # task slots other real-time queries of this Spark hold
         self.sink: JoinSink | None = None
+        self.running: Running | None = None
+        self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
 
     def starting_offsets(self) -> str:
         """After the lowest progress of the joins that read each changelog."""
@@ -266,14 +286,63 @@ class JoinPipeline:
             doc[topic] = {"0": low + 1 if low >= 0 else -2}
         return json.dumps(doc)
 
-    def start(self) -> StreamingQuery:
-        """Start the query from the joins' progress (a restart resumes the same way)."""
+    def realtime(self) -> bool:
+        """Whether the live path runs in real-time mode: wanted, and Spark has a task slot
+        for each changelog read besides the ones other real-time queries hold (and two more
+        for other jobs)."""
+        if not self.settings.spark_realtime:
+            return False
+        if self.realtime_failures >= MAX_REALTIME_FAILURES:
+            log.warning(
+                "folding joins in micro-batches: the real-time query failed %d times in a row "
+                "(see the errors above); the projector tries real-time mode again when it "
+                "restarts",
+                self.realtime_failures,
+            )
+            return False
+        have = self.spark.sparkContext.defaultParallelism
+        need = self.beside + len(self.tables) + 2
+        if have < need:
+            log.warning(
+                "folding joins in micro-batches: real-time mode needs %d task slots and Spark "
+                "has %d",
+                need,
+                have,
+            )
+            return False
+        return True
+
+    def start(self) -> Running:
+        """Start the live pipeline from the joins' progress (a restart resumes the same way):
+        in real-time mode when it can (`spark/realtime.py`), else in micro-batches."""
+        from spark.realtime import RealTimeJoins  # it builds on this module
+
         url = self.settings.database()
         names = [j.name for j in self.joins]
         with psycopg.connect(url, autocommit=True) as conn:
             for name in names:
                 ensure_progress(conn, name)
-            mark_started(conn, names)
+            forget_failures(conn, names)  # a failed join is given another chance
+        if self.sink is not None:
+            self.sink.db.close()
+        gaps = Gaps(self.settings.kafka(), self.settings.kafka_timeout_s)
+        self.sink = JoinSink(self.joins, url, self.tables, gaps)
+        full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
+        previous = self.running
+        if isinstance(previous, RealTimeJoins):
+            failed = previous.query_failed and not previous.applied
+            self.realtime_failures = self.realtime_failures + 1 if failed else 0
+        if self.realtime():
+            self.running = RealTimeJoins(self, self.sink).start()
+        else:
+            self.running = self.micro_batches(self.sink, catch_up=False)
+            with psycopg.connect(url, autocommit=True) as conn:
+                mark_running(conn, names)
+        return self.running
+
+    def micro_batches(self, sink: JoinSink, catch_up: bool) -> StreamingQuery:
+        """The joins' micro-batch query from their progress: with no trigger interval, or with
+        `catch_up` up to the changelogs' ends as they are now, then it stops."""
         raw = (
             self.spark.readStream.format("kafka")
             .options(**kafka_options(self.settings.kafka()))
@@ -283,20 +352,17 @@ class JoinPipeline:
             .option("maxOffsetsPerTrigger", MAX_RECORDS_PER_BATCH)
             .load()
         )
-        if self.sink is not None:
-            self.sink.db.close()
-        gaps = Gaps(self.settings.kafka(), self.settings.kafka_timeout_s)
-        self.sink = JoinSink(self.joins, url, self.tables, gaps)
         idle_poll(self.spark, self.settings.spark_joins_idle_poll_ms)
-        full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
-        return (
+        writer = (
             records(raw, self.tables)
-            .writeStream.foreachBatch(self.sink)
+            .writeStream.foreachBatch(sink)
             .queryName(QUERY)
             # A fresh checkpoint per start, or Spark would resume from its own offsets.
             .option("checkpointLocation", tempfile.mkdtemp(dir=self.scratch))
-            .start()
         )
+        if catch_up:
+            writer = writer.trigger(availableNow=True)
+        return writer.start()
 
 
 class JoinRebuild:

@@ -1,8 +1,9 @@
 """The streaming projector: two Structured Streaming queries in one Spark driver.
 
-- `events` (spark/event_pipeline.py) folds the event log into every projection's views, in
-  Spark's real-time mode where it can (spark/realtime.py);
-- `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views.
+- `events` (spark/event_pipeline.py) folds the event log into every projection's views;
+- `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views;
+
+each in Spark's real-time mode where it can (spark/realtime.py), else in micro-batches.
 
 Each fold keeps its own progress in Postgres, so a query always starts from the offsets after
 the last applied ones; Spark's own checkpoint is scratch space. A query that stops is started
@@ -27,7 +28,7 @@ from pyspark.sql import SparkSession
 
 from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
-from spark.event_pipeline import EventPipeline, Running, realtime_slots
+from spark.event_pipeline import EventPipeline, Running, realtime_partitions, realtime_slots
 from spark.join import JoinPipeline
 from spark.session import session
 from stack.settings import Settings
@@ -84,14 +85,17 @@ class Projector:
             settings,
             "logfold-projector",
             settings.projector_java_options,
-            slots=realtime_slots(settings, chosen) if settings.spark_realtime else 0,
+            slots=realtime_slots(settings, chosen, joined) if settings.spark_realtime else 0,
         )
         self.scratch = scratch_dir(settings)
         self.pipelines: dict[str, Pipeline] = {}
         if chosen:
             self.pipelines["events"] = EventPipeline(self.spark, settings, chosen, self.scratch)
         if joined:
-            self.pipelines["joins"] = JoinPipeline(self.spark, settings, joined, self.scratch)
+            beside = realtime_partitions(settings, chosen) if chosen else 0
+            self.pipelines["joins"] = JoinPipeline(
+                self.spark, settings, joined, self.scratch, beside=beside
+            )
         self.queries: dict[str, Running] = {}
         self._stopping = threading.Event()
 

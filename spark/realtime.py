@@ -1,35 +1,40 @@
-"""The event pipeline's live path in Spark's real-time mode (Spark 4.1+).
+"""The projector's live paths in Spark's real-time mode (Spark 4.1+): the events query's and
+the joins' (`RealTimeEvents`, `RealTimeJoins`, on what `RealTime` shares).
 
 A micro-batch has a floor (planning, a Kafka fetch, checkpoint files and a job: ~100 ms of
-Spark's time even for one event), and under load an event waits for the batch in flight and
+Spark's time even for one record), and under load a record waits for the batch in flight and
 then for its own. In real-time mode (`trigger(realTime=...)`) one long-lived task per Kafka
 partition hands each record on as it arrives; the plan is made once per epoch (the trigger's
 interval, which only sets how often Spark checkpoints). So:
 
-- the query computes each event's position and rows (`EventSink.with_rows`, the plan the
-  micro-batches run) and writes them to the `projector-rows` topic, keyed by the event's topic
-  and partition, so one partition's rows stay in order. (Its Python `foreach` sink would hand
-  the rows over seconds late, and `foreachBatch` is not allowed in real-time mode.)
+- the query computes each record's position and rows and writes them to a topic of their own,
+  keyed by the record's topic and partition, so one partition's rows stay in order: each
+  event's rows for every projection (`EventSink.with_rows`, the plan the micro-batches run) to
+  `projector-rows`, each changelog record (`records`) to `join-rows`. (Spark's Python
+  `foreach` sink would hand the rows over seconds late, and `foreachBatch` is not allowed in
+  real-time mode.)
 - this process reads that topic and applies what each poll returns in one Postgres
-  transaction, with the micro-batches' own step (`EventSink.apply`: each projection from its
-  own progress, in its own savepoint). Under load a poll returns what arrived during the
-  previous transaction, so transactions group events by themselves.
+  transaction, with the micro-batches' own step (`EventSink.apply`, `JoinSink.apply`: each
+  projection or join from its own progress, in its own savepoint). Under load a poll returns
+  what arrived during the previous transaction, so transactions group records by themselves.
 
-Exactly once, as with micro-batches: a record at or before a projection's progress changes
-nothing, so rows written again (real-time mode delivers at least once: a retried task starts
-again from its epoch's first offsets) are skipped. Each start of the query writes under a
-generation of its own, and only the rows of the running generation are applied: rows a
-stopped query left in flight cannot land in the middle of the next one's.
+Exactly once, as with micro-batches: a record at or before a fold's progress changes nothing,
+so rows written again (real-time mode delivers at least once: a retried task starts again from
+its epoch's first offsets) are skipped. Each start of a query writes under a generation of its
+own, and only the rows of the running generation are applied: rows a stopped query left in
+flight cannot land in the middle of the next one's.
 
-What real-time mode cannot do stays on micro-batches (`EventPipeline.micro_batches`):
+What real-time mode cannot do stays on micro-batches (`EventPipeline.micro_batches`,
+`JoinPipeline.micro_batches`):
 
 - catching up: each start first runs micro-batches up to the log's end, then the real-time
-  query starts from the projections' progress;
-- a projection whose rows raise stops the whole query (Spark cannot leave one column out).
-  The micro-batches that catch up after it find that projection alone, as they always do
-  (guarantee 16), mark it failed, and the next query runs without it. A query that stops
+  query starts from the folds' progress;
+- a projection whose rows raise stops the whole events query (Spark cannot leave one column
+  out). The micro-batches that catch up after it find that projection alone, as they always
+  do (guarantee 16), mark it failed, and the next query runs without it. A query that stops
   again without a new failure found is not a projection's fault: the error is raised, and
-  the projector starts the pipeline again after a pause;
+  the projector starts the pipeline again after a pause. (A join fails in Postgres, in the
+  thread, alone: its query only decodes records.)
 - events at an older schema version: their rows come as null, and the Python upcasters run
   in a Spark batch job over just their offsets, from this thread, before the poll is applied.
 """
@@ -38,26 +43,34 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Self
 
 import psycopg
 from kafka import KafkaConsumer, TopicPartition
 from pyspark import InheritableThread
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.streaming.readwriter import DataStreamReader
 
+from spark.changelog import RECORD_COLUMNS, records
 from spark.decode import between_json, every_event, kafka_options, parse_events, read_batch
 from spark.event_pipeline import CURRENT, OFFSET, PARTITION, TOPIC, EventSink, first_line
+from spark.join import QUERY as JOINS_QUERY
 from spark.session import full_planning
 from spark.sink import mark_running
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings
+from stack.topics import Topics
 
 if TYPE_CHECKING:
     from spark.event_pipeline import EventPipeline
+    from spark.join import JoinPipeline, JoinSink
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +84,15 @@ LOG_EVERY_S = 10.0  # what was applied, logged at most this often
 GENERATION = "g"  # the field of a rows record naming the query start that wrote it
 
 
-class RealTimeEvents:
-    """The live event pipeline in real-time mode: micro-batches up to the log's end, then the
-    real-time query and the thread that applies its rows (see the module's docstring). Looks
-    like the `StreamingQuery` it replaces to the projector: `isActive`, `exception()`,
-    `stop()`."""
+class RealTime:
+    """What both real-time paths share: a thread that catches up in micro-batches, then runs a
+    real-time query writing each record's rows to a topic, and applies what each poll of that
+    topic returns (see the module's docstring). Looks like the `StreamingQuery` it replaces to
+    the projector: `isActive`, `exception()`, `stop()`."""
 
-    def __init__(self, pipeline: EventPipeline, sink: EventSink) -> None:
-        self.pipeline, self.sink = pipeline, sink
-        self.settings = pipeline.settings
-        self.rows_topic = pipeline.topics.projector_rows
+    def __init__(self, spark: SparkSession, settings: Settings, rows_topic: str, name: str):
+        self.spark, self.settings, self.rows_topic, self.name = spark, settings, rows_topic, name
         self.applied = 0  # polls applied (transactions)
-        self.upcast_polls = 0  # of them with events at an older schema version
         self.query_failed = False  # stopped by its real-time query's own error
         self._since_log: dict[str, int] = {}
         self._transactions = 0
@@ -91,9 +101,9 @@ class RealTimeEvents:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._query: StreamingQuery | None = None
-        self._thread = InheritableThread(target=self._run, name="events-realtime", daemon=True)
+        self._thread = InheritableThread(target=self._guarded, name=f"{name}-realtime", daemon=True)
 
-    def start(self) -> RealTimeEvents:
+    def start(self) -> Self:
         self._thread.start()
         return self
 
@@ -113,28 +123,21 @@ class RealTimeEvents:
         if self._thread is not threading.current_thread():
             self._thread.join()
 
-    def _run(self) -> None:
+    def _guarded(self) -> None:
         try:
-            stopped_by: BaseException | None = None
-            live: set[str] = set()
-            while not self._stopping.is_set():
-                self._catch_up()
-                if self._stopping.is_set():
-                    break
-                names = {p.name for p in self.sink.active}
-                if stopped_by is not None and names == live:
-                    self.query_failed = True  # the micro-batches found no projection at fault
-                    raise stopped_by
-                if not names:
-                    raise RuntimeError(f"every projection failed: {self.sink.failed}")
-                live = names
-                stopped_by = self._live(names)
+            self._run()
         except BaseException as e:
             if not self._stopping.is_set():
-                log.error("the real-time event pipeline stopped: %s", first_line(e))
+                log.error("the real-time %s pipeline stopped: %s", self.name, first_line(e))
                 self._error = e
         finally:
-            self.sink.db.close()
+            self._close()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Let go of what the thread held (its sink's connection)."""
 
     def _track(self, query: StreamingQuery) -> StreamingQuery:
         with self._lock:
@@ -143,28 +146,33 @@ class RealTimeEvents:
             query.stop()
         return query
 
-    def _catch_up(self) -> None:
-        """Micro-batches from the projections' progress to the log's end (as it is now)."""
+    def _catch_up(self, query: StreamingQuery) -> None:
+        """Wait for `query`, micro-batches up to the log's end (as it was when it started)."""
         started = time.perf_counter()
-        query = self._track(self.pipeline.micro_batches(self.sink, catch_up=True))
-        query.awaitTermination()
+        self._track(query).awaitTermination()
         error = query.exception()
         if error is not None and not self._stopping.is_set():
             raise error
-        full_planning(self.pipeline.spark, False)  # as the joins' small batches want it
-        log.info("caught up in %.1f s", time.perf_counter() - started)
+        full_planning(self.spark, False)  # as the live small batches want it
+        log.info("%s caught up in %.1f s", self.name, time.perf_counter() - started)
 
-    def _live(self, names: set[str]) -> BaseException | None:
-        """Run the real-time query of the projections `names` and apply its rows until it
+    def _live(
+        self,
+        start_query: Callable[[str], tuple[StreamingQuery, int]],
+        running: list[str],
+        apply: Callable[[list[list[Any]]], dict[str, int]],
+    ) -> BaseException | None:
+        """Start the real-time query (`start_query(generation)` returns it and how many
+        columns its rows have), mark the folds `running` so, and `apply` its rows until it
         stops (returns why) or the pipeline is stopped (returns None)."""
         generation = uuid.uuid4().hex
         consumer = self._rows_consumer()
         try:
-            query, width = self._query_of(names, generation)
+            query, width = start_query(generation)
             self._track(query)
             with psycopg.connect(self.settings.database(), autocommit=True) as conn:
-                mark_running(conn, [p.name for p in self.sink.projections])
-            log.info("real-time query running: %s", ", ".join(sorted(names)))
+                mark_running(conn, running)
+            log.info("real-time %s query running: %s", self.name, ", ".join(sorted(running)))
             last: dict[str, int] = {}
             while not self._stopping.is_set():
                 if not query.isActive:
@@ -173,14 +181,72 @@ class RealTimeEvents:
                 values = (record.value for records in polled for record in records)
                 rows = rows_of(values, generation, width, last)
                 if rows:
-                    self._apply(rows)
+                    self._applied(apply(rows))
             return None
         finally:
             consumer.close()
             with self._lock:
-                running, self._query = self._query, None
-            if running is not None:
-                running.stop()
+                running_query, self._query = self._query, None
+            if running_query is not None:
+                running_query.stop()
+
+    def _write_rows(self, rows: DataFrame, generation: str, query_name: str) -> StreamingQuery:
+        """The real-time query writing `rows` (topic, partition and offset first) to the rows
+        topic: keyed by their source partition (so one partition's rows stay in order), each a
+        JSON object of the `generation` and the columns by position."""
+        value = F.struct(
+            F.lit(generation).alias(GENERATION),
+            *(F.col(f"`{c}`").alias(str(i)) for i, c in enumerate(rows.columns)),
+        )
+        return (  # type: ignore[no-any-return]
+            rows.select(
+                F.concat_ws(":", "topic", F.col("partition").cast("string")).alias("key"),
+                F.to_json(value).alias("value"),
+            )
+            .writeStream.format("kafka")
+            .options(**self._sink_options())
+            .option("checkpointLocation", self._checkpoint())
+            .outputMode("update")
+            .queryName(query_name)
+            .trigger(realTime=EPOCH)  # type: ignore[call-overload]  # (not in pyspark's types)
+            .start()
+        )
+
+    def _checkpoint(self) -> str:
+        """A new checkpoint directory for the query (Postgres holds the progress)."""
+        raise NotImplementedError
+
+    def _source(self, topics: list[str], starting: str) -> DataStreamReader:
+        """Spark's Kafka source for a real-time query, to load."""
+        return (
+            self.spark.readStream.format("kafka")
+            .options(**kafka_options(self.settings.kafka()))
+            # A long-lived task's fetch returns as soon as a record arrives; a shorter wait
+            # only spins while idle.
+            .option("kafka.fetch.max.wait.ms", str(self.settings.spark_realtime_fetch_wait_ms))
+            .option("subscribe", ",".join(topics))
+            .option("startingOffsets", starting)
+        )
+
+    def _sink_options(self) -> dict[str, str]:
+        """Spark's Kafka sink into the rows topic (Spark pools its producers by these)."""
+        return {
+            "kafka.bootstrap.servers": self.settings.kafka(),
+            "kafka.linger.ms": "0",
+            "topic": self.rows_topic,
+        }
+
+    def _applied(self, counts: dict[str, int]) -> None:
+        """Count a poll applied (`counts`: records per fold), logged every LOG_EVERY_S."""
+        self.applied += 1
+        for name, n in counts.items():
+            self._since_log[name] = self._since_log.get(name, 0) + n
+        self._transactions += 1
+        if time.monotonic() - self._logged_at >= LOG_EVERY_S:
+            done = ", ".join(f"{n} +{c}" for n, c in sorted(self._since_log.items()))
+            log.info("applied in %d transactions: %s", self._transactions, done or "nothing new")
+            self._since_log, self._transactions = {}, 0
+            self._logged_at = time.monotonic()
 
     def _rows_consumer(self) -> KafkaConsumer:
         """A reader of the rows topic from its current end: rows written before the query
@@ -192,7 +258,7 @@ class RealTimeEvents:
             max_poll_records=MAX_POLL_RECORDS,
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
             metrics_enabled=False,
-            client_id="logfold-projector-rows",
+            client_id=f"logfold-projector-{self.name}-rows",
             # Rows deleted before they were read (the thread far behind): an error, which
             # restarts the pipeline from Postgres's progress, not a silent jump ahead.
             auto_offset_reset="none",
@@ -213,56 +279,55 @@ class RealTimeEvents:
             raise
         return consumer
 
+
+class RealTimeEvents(RealTime):
+    """The live event pipeline in real-time mode: micro-batches up to the log's end, then the
+    real-time query of every projection not failed, and the thread that applies its rows."""
+
+    def __init__(self, pipeline: EventPipeline, sink: EventSink) -> None:
+        super().__init__(pipeline.spark, pipeline.settings, pipeline.topics.projector_rows, QUERY)
+        self.pipeline, self.sink = pipeline, sink
+        self.upcast_polls = 0  # of them with events at an older schema version
+
+    def _run(self) -> None:
+        stopped_by: BaseException | None = None
+        live: set[str] = set()
+        while not self._stopping.is_set():
+            self._catch_up(self.pipeline.micro_batches(self.sink, catch_up=True))
+            if self._stopping.is_set():
+                break
+            names = {p.name for p in self.sink.active}
+            if stopped_by is not None and names == live:
+                self.query_failed = True  # the micro-batches found no projection at fault
+                raise stopped_by
+            if not names:
+                raise RuntimeError(f"every projection failed: {self.sink.failed}")
+            live = names
+            running = [p.name for p in self.sink.projections]
+            stopped_by = self._live(partial(self._query_of, names), running, self._apply)
+
+    def _close(self) -> None:
+        self.sink.db.close()
+
+    def _checkpoint(self) -> str:
+        return self.pipeline.checkpoint()
+
     def _query_of(self, names: set[str], generation: str) -> tuple[StreamingQuery, int]:
         """The real-time query of the projections `names` (the others' columns are null),
         from their progress, and how many columns its rows have."""
-        records = (
-            self.pipeline.spark.readStream.format("kafka")
-            .options(**kafka_options(self.settings.kafka()))
-            # A long-lived task's fetch returns as soon as a record arrives; a shorter wait
-            # only spins while idle.
-            .option("kafka.fetch.max.wait.ms", str(self.settings.spark_realtime_fetch_wait_ms))
-            .option("subscribe", ",".join(self.pipeline.topic_names()))
-            .option("startingOffsets", self.pipeline.starting_offsets(names))
-            .load()
-        )
+        records = self._source(
+            self.pipeline.topic_names(), self.pipeline.starting_offsets(names)
+        ).load()
         events = every_event(parse_events(records, self.pipeline.stream_names()))
         rows = self.sink.with_rows(events, names)
-        value = F.struct(
-            F.lit(generation).alias(GENERATION),
-            *(F.col(f"`{c}`").alias(str(i)) for i, c in enumerate(rows.columns)),
-        )
-        query = (
-            rows.select(
-                F.concat_ws(":", "topic", F.col("partition").cast("string")).alias("key"),
-                F.to_json(value).alias("value"),
-            )
-            .writeStream.format("kafka")
-            .option("kafka.bootstrap.servers", self.settings.kafka())
-            .option("kafka.linger.ms", "0")
-            .option("topic", self.rows_topic)
-            .option("checkpointLocation", self.pipeline.checkpoint())
-            .outputMode("update")
-            .queryName(QUERY)
-            .trigger(realTime=EPOCH)  # type: ignore[call-overload]  # (not in pyspark's types)
-            .start()
-        )
-        return query, len(rows.columns)
+        return self._write_rows(rows, generation, QUERY), len(rows.columns)
 
-    def _apply(self, rows: list[Any]) -> None:
+    def _apply(self, rows: list[Any]) -> dict[str, int]:
         errors: dict[str, str] = {}
         if any(not r[CURRENT] for r in rows):
             self.upcast_polls += 1
             rows, errors = self.sink.with_upcast(self._old_events(rows), rows, errors)
-        self.applied += 1
-        for name, n in self.sink.apply(rows, errors).items():
-            self._since_log[name] = self._since_log.get(name, 0) + n
-        self._transactions += 1
-        if time.monotonic() - self._logged_at >= LOG_EVERY_S:
-            done = ", ".join(f"{n} +{c}" for n, c in sorted(self._since_log.items()))
-            log.info("applied in %d transactions: %s", self._transactions, done or "nothing new")
-            self._since_log, self._transactions = {}, 0
-            self._logged_at = time.monotonic()
+        return self.sink.apply(rows, errors)
 
     def _old_events(self, rows: list[Any]) -> Any:
         """The records of `rows` at an older schema version, read again as a batch."""
@@ -274,8 +339,45 @@ class RealTimeEvents:
                 low[key] = min(low.get(key, r[OFFSET]), r[OFFSET])
                 high[key] = max(high.get(key, r[OFFSET]), r[OFFSET])
         assign, starting, ending = between_json({k: v - 1 for k, v in low.items()}, high)
-        raw = read_batch(self.pipeline.spark, self.settings.kafka(), [], starting, ending, assign)
+        raw = read_batch(self.spark, self.settings.kafka(), [], starting, ending, assign)
         return every_event(parse_events(raw, self.pipeline.stream_names()))
+
+
+class RealTimeJoins(RealTime):
+    """The live joins in real-time mode: micro-batches up to the changelogs' ends, then the
+    real-time query of the changelog records (`records`: nothing in it can fail for one join
+    alone), and the thread that applies each poll with the micro-batches' own step
+    (`JoinSink.apply`: each join from its own progress, in its own savepoint)."""
+
+    def __init__(self, pipeline: JoinPipeline, sink: JoinSink) -> None:
+        topic = Topics(pipeline.settings.topic_prefix).join_rows
+        super().__init__(pipeline.spark, pipeline.settings, topic, JOINS_QUERY)
+        self.pipeline, self.sink = pipeline, sink
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._catch_up(self.pipeline.micro_batches(self.sink, catch_up=True))
+            if self._stopping.is_set():
+                break
+            running = [j.name for j in self.pipeline.joins]
+            stopped_by = self._live(self._query_of, running, self._apply)
+            if stopped_by is not None:
+                self.query_failed = True
+                raise stopped_by
+
+    def _close(self) -> None:
+        self.sink.db.close()
+
+    def _checkpoint(self) -> str:
+        return tempfile.mkdtemp(dir=self.pipeline.scratch)
+
+    def _query_of(self, generation: str) -> tuple[StreamingQuery, int]:
+        raw = self._source(list(self.pipeline.tables), self.pipeline.starting_offsets())
+        rows = records(raw.option("includeHeaders", "true").load(), self.pipeline.tables)
+        return self._write_rows(rows, generation, JOINS_QUERY), len(rows.columns)
+
+    def _apply(self, rows: list[list[Any]]) -> dict[str, int]:
+        return self.sink.apply([dict(zip(RECORD_COLUMNS, r, strict=True)) for r in rows])
 
 
 def rows_of(

@@ -71,6 +71,10 @@ class Topics:
     def projector_rows(self) -> str:
         return f"{self.prefix}projector-rows"
 
+    @property
+    def join_rows(self) -> str:
+        return f"{self.prefix}join-rows"
+
     def cdc(self, table: str) -> str:
         return f"{self.prefix}cdc.{table}"
 
@@ -113,6 +117,11 @@ class Topics:
                 self.projector_rows,
                 "each event's view rows, from the projector's real-time query to its writer",
                 # Read as they are written, by the process that writes them.
+                {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+            ),
+            TopicSpec(
+                self.join_rows,
+                "each changelog record, from the projector's real-time joins query to its writer",
                 {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
             ),
             # Append-only; kept for good, so every view over a stream can be rebuilt from it.

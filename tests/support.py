@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import requests
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from app.auth import SCOPES, issue_token
 from cdc.changes import Change, Position, record_for
@@ -37,6 +37,23 @@ def token(
     *scopes: str, subject: str = "tester", ttl: int = 3600, rows: dict[str, str] | None = None
 ) -> str:
     return issue_token(SECRET, subject, scopes or SCOPES, ttl, rows)
+
+
+def topic_records(settings: Settings, topic: str) -> list[Any]:
+    """Every record of `topic`, read from its start to its end as it is now."""
+    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), enable_auto_commit=False)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        ends = consumer.end_offsets(parts)
+        found: list[Any] = []
+        while any(consumer.position(tp) < ends[tp] for tp in parts):
+            for records in consumer.poll(timeout_ms=1000).values():
+                found += records
+        return found
+    finally:
+        consumer.close()
 
 
 def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]]) -> None:
@@ -168,13 +185,13 @@ class HttpApi:
 
 
 def projector_session(settings: Settings, app_name: str) -> Any:
-    """A Spark session in this process with the projector's task slots (its real-time query
-    holds one per partition it reads)."""
-    from projections.registry import PROJECTIONS
+    """A Spark session in this process with the projector's task slots (its real-time queries
+    hold one per partition they read)."""
+    from projections.registry import JOINS, PROJECTIONS
     from spark.event_pipeline import realtime_slots
     from spark.session import session
 
-    slots = realtime_slots(settings, list(PROJECTIONS.values()))
+    slots = realtime_slots(settings, list(PROJECTIONS.values()), list(JOINS.values()))
     return session(settings, app_name, slots=slots)
 
 

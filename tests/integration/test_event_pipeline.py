@@ -40,6 +40,7 @@ from tests.support import (
     new_deployment,
     projector_session,
     token,
+    topic_records,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -344,26 +345,6 @@ def running_live(settings: Settings, spark: Any, projections: tuple[Projection, 
     return projector
 
 
-def rows_records(settings: Settings) -> list[Any]:
-    """Every record of the projector's rows topic."""
-    from kafka import KafkaConsumer
-
-    topic = Topics(settings.topic_prefix).projector_rows
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), enable_auto_commit=False)
-    try:
-        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(parts)
-        consumer.seek_to_beginning(*parts)
-        ends = consumer.end_offsets(parts)
-        found: list[Any] = []
-        while any(consumer.position(tp) < ends[tp] for tp in parts):
-            for records in consumer.poll(timeout_ms=1000).values():
-                found += records
-        return found
-    finally:
-        consumer.close()
-
-
 def on_partition(settings: Settings, partition: int, name: str) -> str:
     """Register a customer called `name` whose events go to `partition`."""
     while True:
@@ -382,11 +363,12 @@ def test_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
     from kafka import KafkaProducer
 
     settings = new_deployment(base_settings)
+    rows_topic = Topics(settings.topic_prefix).projector_rows
     projector = running_live(settings, spark, (customers.projection,))
     try:
         on_partition(settings, 0, "Ada")
         wait_until(lambda: customer_names(settings) == {"Ada"}, 120, "Ada")
-        (ada,) = [r for r in rows_records(settings) if b"Ada" in r.value]
+        (ada,) = [r for r in topic_records(settings, rows_topic) if b"Ada" in r.value]
         replayed = json.loads(ada.value)
         stale = {**replayed, "g": "another-start", "2": replayed["2"] + 2}
         stale["7"] = replayed["7"].replace("Ada", "Mallory")

@@ -6,6 +6,7 @@ once, through resends, restarts, kill -9 and rebuilds. An independent fold of th
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import signal
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask.testing import FlaskClient
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from app import close_app, create_app
 from commands.messages import Position
@@ -27,7 +28,14 @@ from projections.wire import wire_row, wire_value
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import Processes, append_changes, cli, projector_session, token
+from tests.support import (
+    Processes,
+    append_changes,
+    cli,
+    projector_session,
+    token,
+    topic_records,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -354,6 +362,45 @@ def test_a_resent_older_change_changes_nothing(
     oracle.append(deployment, "customers", (cid, customer(cid, "Third")))
     settled(deployment, oracle, SUMMARIES)
     assert dropped not in view_rows(deployment, SUMMARIES)
+
+
+def test_join_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
+    deployment: Settings, jobs: Jobs, oracle: Oracle
+) -> None:
+    """The joins' real-time query delivers at least once too (a retried task starts again from
+    its epoch's first offsets), and a stopped query's rows may still be in flight: a record the
+    join applied changes nothing, and rows of another query start are not applied."""
+    from spark.realtime import RealTimeJoins
+
+    assert isinstance(jobs.projector.queries["joins"], RealTimeJoins), "slots for real-time mode"
+    cid, oid, other = uid("c"), uid("o"), uid("c")
+    oracle.append(deployment, "customers", (cid, customer(cid, "Ada")))
+    oracle.append(deployment, "orders", (oid, order(oid, cid)))
+    settled(deployment, oracle, SUMMARIES)
+    rows, before = view_rows(deployment, SUMMARIES), versions(deployment, SUMMARIES)
+    applied = progress(deployment, SUMMARIES)["applied"]
+
+    rows_topic = Topics(deployment.topic_prefix).join_rows
+    # A record's columns by position (`RECORD_COLUMNS`): 2 offset, 3 table, 5 row, 6 lsn.
+    written = [r for r in topic_records(deployment, rows_topic) if cid.encode() in r.value]
+    ada = [r for r in written if json.loads(r.value)["3"] == "customers"][-1]
+    replayed = json.loads(ada.value)
+    assert "Ada" in replayed["5"]
+    stale = {**replayed, "g": "another-start", "2": replayed["2"] + 1}
+    stale["5"], stale["6"] = replayed["5"].replace("Ada", "Mallory"), replayed["6"] + 10**9
+    producer = KafkaProducer(bootstrap_servers=deployment.kafka(), acks="all")
+    try:
+        for value in (replayed, stale):
+            producer.send(ada.topic, key=ada.key, value=json.dumps(value).encode()).get(30)
+    finally:
+        producer.close(timeout=10)
+    # The next customers change follows those two in the same rows partition (the same key),
+    # so once it is applied, they were read.
+    oracle.append(deployment, "customers", (other, customer(other, "Bob")))
+    settled(deployment, oracle, SUMMARIES)
+    assert view_rows(deployment, SUMMARIES) == rows
+    assert versions(deployment, SUMMARIES) == before, "a record applied again rewrote rows"
+    assert progress(deployment, SUMMARIES)["applied"] == applied + 1
 
 
 # --- author_pages: a view joined with a plain table ------------------------------------------

@@ -1,5 +1,5 @@
-"""A local Spark master is given a task slot per partition the projector's real-time query
-reads (a local thread is a slot, not a core); any other master is left as it is."""
+"""A local Spark master is given a task slot per partition the projector's real-time queries
+read (a local thread is a slot, not a core); any other master is left as it is."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from projections.registry import PROJECTIONS
+from projections.registry import JOINS, PROJECTIONS
 from spark.event_pipeline import realtime_slots
 from spark.session import with_slots
 from stack.settings import Settings
@@ -42,3 +42,12 @@ def test_the_projector_asks_for_a_slot_per_partition_read_and_two_more() -> None
     topics = {t for p in PROJECTIONS.values() for t in p.topic_names(Topics())}
     assert realtime_slots(settings, list(PROJECTIONS.values())) == len(topics) * 4 + 2
     assert realtime_slots(Settings(partitions=1), list(PROJECTIONS.values())) == len(topics) + 2
+
+
+def test_the_joins_add_a_slot_per_changelog_they_read() -> None:
+    settings = Settings(partitions=4)
+    projections = list(PROJECTIONS.values())
+    tables = {t for j in JOINS.values() for t in j.tables}
+    assert tables, "the bookshop has joins"
+    with_joins = realtime_slots(settings, projections, list(JOINS.values()))
+    assert with_joins == realtime_slots(settings, projections) + len(tables)
