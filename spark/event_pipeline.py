@@ -666,27 +666,8 @@ class EventPipeline:
     def realtime(self) -> bool:
         """Whether the live path runs in real-time mode: wanted, not failing on its own, and
         Spark has the task slots `realtime_slots` counts."""
-        if not self.settings.spark_realtime:
-            return False
-        if self.realtime_failures >= MAX_REALTIME_FAILURES:
-            log.warning(
-                "folding events in micro-batches: the real-time query failed %d times in a row "
-                "with no projection at fault (see the errors above); the projector tries "
-                "real-time mode again when it restarts",
-                self.realtime_failures,
-            )
-            return False
-        have = self.spark.sparkContext.defaultParallelism
         need = realtime_partitions(self.settings, self.projections) + 2
-        if have < need:
-            log.warning(
-                "folding events in micro-batches: real-time mode needs %d task slots (one per "
-                "partition read, two more for other jobs) and Spark has %d",
-                need,
-                have,
-            )
-            return False
-        return True
+        return realtime_allowed(self.spark, self.settings, "events", self.realtime_failures, need)
 
     def checkpoint(self) -> str:
         """A fresh checkpoint for a query's start, or Spark would resume from its own offsets
@@ -765,6 +746,36 @@ class Running(Protocol):
     def exception(self) -> BaseException | None: ...
 
     def stop(self) -> None: ...
+
+
+def realtime_allowed(
+    spark: SparkSession, settings: Settings, fold: str, failures: int, need: int
+) -> bool:
+    """Whether a live path (`fold`: events, joins) may run in real-time mode: wanted, its
+    query not failing on its own (`failures` starts in a row, fewer than
+    MAX_REALTIME_FAILURES), and Spark has the `need`ed task slots. Logs why not."""
+    if not settings.spark_realtime:
+        return False
+    if failures >= MAX_REALTIME_FAILURES:
+        log.warning(
+            "folding %s in micro-batches: the real-time query failed %d times in a row on its "
+            "own (see the errors above); the projector tries real-time mode again when it "
+            "restarts",
+            fold,
+            failures,
+        )
+        return False
+    have = spark.sparkContext.defaultParallelism
+    if have < need:
+        log.warning(
+            "folding %s in micro-batches: real-time mode needs %d task slots (one per partition "
+            "read, two more for other jobs) and Spark has %d",
+            fold,
+            need,
+            have,
+        )
+        return False
+    return True
 
 
 def realtime_slots(

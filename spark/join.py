@@ -36,7 +36,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
-from spark.event_pipeline import MAX_REALTIME_FAILURES, Running
+from spark.event_pipeline import Running, realtime_allowed
 from spark.gaps import Gaps, check_gaps
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -287,30 +287,10 @@ class JoinPipeline:
         return json.dumps(doc)
 
     def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode: wanted, and Spark has a task slot
-        for each changelog read besides the ones other real-time queries hold (and two more
-        for other jobs)."""
-        if not self.settings.spark_realtime:
-            return False
-        if self.realtime_failures >= MAX_REALTIME_FAILURES:
-            log.warning(
-                "folding joins in micro-batches: the real-time query failed %d times in a row "
-                "(see the errors above); the projector tries real-time mode again when it "
-                "restarts",
-                self.realtime_failures,
-            )
-            return False
-        have = self.spark.sparkContext.defaultParallelism
+        """Whether the live path runs in real-time mode (`realtime_allowed`): its query needs
+        a task slot per changelog read besides the ones other real-time queries hold."""
         need = self.beside + len(self.tables) + 2
-        if have < need:
-            log.warning(
-                "folding joins in micro-batches: real-time mode needs %d task slots and Spark "
-                "has %d",
-                need,
-                have,
-            )
-            return False
-        return True
+        return realtime_allowed(self.spark, self.settings, "joins", self.realtime_failures, need)
 
     def start(self) -> Running:
         """Start the live pipeline from the joins' progress (a restart resumes the same way):

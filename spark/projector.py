@@ -92,7 +92,7 @@ class Projector:
         if chosen:
             self.pipelines["events"] = EventPipeline(self.spark, settings, chosen, self.scratch)
         if joined:
-            beside = realtime_partitions(settings, chosen) if chosen else 0
+            beside = realtime_partitions(settings, chosen)
             self.pipelines["joins"] = JoinPipeline(
                 self.spark, settings, joined, self.scratch, beside=beside
             )

@@ -204,7 +204,9 @@ class RealTime:
                 F.to_json(value).alias("value"),
             )
             .writeStream.format("kafka")
-            .options(**self._sink_options())
+            .option("kafka.bootstrap.servers", self.settings.kafka())
+            .option("kafka.linger.ms", "0")
+            .option("topic", self.rows_topic)
             .option("checkpointLocation", self._checkpoint())
             .outputMode("update")
             .queryName(query_name)
@@ -227,14 +229,6 @@ class RealTime:
             .option("subscribe", ",".join(topics))
             .option("startingOffsets", starting)
         )
-
-    def _sink_options(self) -> dict[str, str]:
-        """Spark's Kafka sink into the rows topic (Spark pools its producers by these)."""
-        return {
-            "kafka.bootstrap.servers": self.settings.kafka(),
-            "kafka.linger.ms": "0",
-            "topic": self.rows_topic,
-        }
 
     def _applied(self, counts: dict[str, int]) -> None:
         """Count a poll applied (`counts`: records per fold), logged every LOG_EVERY_S."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,16 @@ def topic_records(settings: Settings, topic: str) -> list[Any]:
         return found
     finally:
         consumer.close()
+
+
+def send_again(settings: Settings, record: Any, *values: dict[str, Any]) -> None:
+    """Write `values` (JSON) to `record`'s topic under its key, each acknowledged."""
+    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    try:
+        for value in values:
+            producer.send(record.topic, key=record.key, value=json.dumps(value).encode()).get(30)
+    finally:
+        producer.close(timeout=10)
 
 
 def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]]) -> None:

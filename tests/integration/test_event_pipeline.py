@@ -39,6 +39,7 @@ from tests.support import (
     health_component,
     new_deployment,
     projector_session,
+    send_again,
     token,
     topic_records,
 )
@@ -360,7 +361,6 @@ def test_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
     """Real-time mode delivers at least once (a retried task starts again from its epoch's
     first offsets), and a stopped query's rows may still be in flight: rows of events a
     projection applied change nothing, and rows of another query start are not applied."""
-    from kafka import KafkaProducer
 
     settings = new_deployment(base_settings)
     rows_topic = Topics(settings.topic_prefix).projector_rows
@@ -372,12 +372,7 @@ def test_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
         replayed = json.loads(ada.value)
         stale = {**replayed, "g": "another-start", "2": replayed["2"] + 2}
         stale["7"] = replayed["7"].replace("Ada", "Mallory")
-        producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
-        try:
-            for value in (replayed, stale):
-                producer.send(ada.topic, key=ada.key, value=json.dumps(value).encode()).get(30)
-        finally:
-            producer.close(timeout=10)
+        send_again(settings, ada, replayed, stale)
         # Bob's rows follow those two in the same rows partition (the same key), so once he
         # is in, they were read.
         on_partition(settings, 0, "Bob")

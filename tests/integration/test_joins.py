@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from flask.testing import FlaskClient
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 
 from app import close_app, create_app
 from commands.messages import Position
@@ -33,6 +33,7 @@ from tests.support import (
     append_changes,
     cli,
     projector_session,
+    send_again,
     token,
     topic_records,
 )
@@ -388,12 +389,7 @@ def test_join_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
     assert "Ada" in replayed["5"]
     stale = {**replayed, "g": "another-start", "2": replayed["2"] + 1}
     stale["5"], stale["6"] = replayed["5"].replace("Ada", "Mallory"), replayed["6"] + 10**9
-    producer = KafkaProducer(bootstrap_servers=deployment.kafka(), acks="all")
-    try:
-        for value in (replayed, stale):
-            producer.send(ada.topic, key=ada.key, value=json.dumps(value).encode()).get(30)
-    finally:
-        producer.close(timeout=10)
+    send_again(deployment, ada, replayed, stale)
     # The next customers change follows those two in the same rows partition (the same key),
     # so once it is applied, they were read.
     oracle.append(deployment, "customers", (other, customer(other, "Bob")))
