@@ -7,7 +7,9 @@ Spark."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import Column, DataFrame
@@ -33,13 +35,19 @@ if TYPE_CHECKING:
 __all__ = [
     "PAID_LINE",
     "F",
+    "Rows",
+    "each",
     "each_paid_line",
     "field",
     "fold",
     "hopping_windows",
     "one",
     "row",
+    "row_per_item",
+    "rows_column",
+    "rows_frame",
     "royalty_cents",
+    "single_row",
     "when_type",
 ]
 
@@ -68,13 +76,11 @@ def when_type(types: str | tuple[str, ...], value: Column) -> Column:
 
 def hopping_windows(at: Column, size: timedelta, advance: timedelta) -> Column:
     """The starts of the windows `size` long, one every `advance` (from the epoch), that
-    contain the time `at`: an array of `size / advance` timestamps, newest first."""
+    contain the time `at`: an array of `size / advance` times in epoch seconds, newest first
+    (`F.timestamp_seconds` makes one a timestamp)."""
     step, count = int(advance.total_seconds()), int(size / advance)
-    newest = F.floor(F.unix_seconds(at) / step) * step
-    return F.transform(
-        F.sequence(F.lit(0), F.lit(count - 1)),
-        lambda k: F.timestamp_seconds(newest - k * step),
-    )
+    newest = (F.floor(F.unix_seconds(at) / step) * step).cast("long")
+    return F.sequence(newest, newest - (count - 1) * step, F.lit(-step).cast("long"))
 
 
 def royalty_cents(quantity: Column, unit_price_cents: Column, rate: Column) -> Column:
@@ -116,19 +122,119 @@ def row(table: Table, **columns: Column) -> Column:
     )
 
 
-def one(table: Table, condition: Column, **columns: Column) -> Column:
+def one(table: Table, condition: Column, **columns: Column) -> Rows:
     """One row of `table` when `condition` holds, else none."""
-    return F.when(condition, F.array(row(table, **columns))).otherwise(
-        F.array().cast(ArrayType(row_type(table)))
-    )
+    return single_row(condition, row(table, **columns), row_type(table))
 
 
-def each_paid_line(table: Table, make: Callable[[Column], dict[str, Column]]) -> Column:
-    """For an OrderPaid, one row of `table` per paid line (`make(line)` gives its columns,
-    from the line's fields: `PAID_LINE`); none for any other event."""
-    paid = F.when(F.col("type") == "OrderPaid", field("lines"))
-    lines = F.coalesce(paid, F.array().cast(ArrayType(PAID_LINE)))
-    return F.transform(lines, lambda line: row(table, **make(line)))
+def each(table: Table, items: Column, make: Callable[[Column], dict[str, Column]]) -> Rows:
+    """One row of `table` per element of the array `items` (null: none): `make(item)` gives its
+    columns."""
+    return row_per_item(items, lambda item: row(table, **make(item)), row_type(table))
+
+
+def single_row(condition: Column, value: Column, type: StructType) -> Rows:
+    """The row `value` (a struct of type `type`) when `condition` holds, else none."""
+    return Rows((_One(condition, value, type),))
+
+
+def row_per_item(items: Column, make: Callable[[Column], Column], type: StructType) -> Rows:
+    """One row (`make(item)`, a struct of type `type`) per element of the array `items` (null:
+    none)."""
+    return Rows((_Each(items, make, type),))
+
+
+def each_paid_line(
+    table: Table, make: Callable[[Column], dict[str, Column]], when: Column | None = None
+) -> Rows:
+    """For an OrderPaid (for which `when` holds, if given), one row of `table` per paid line
+    (`make(line)` gives its columns, from the line's fields: `PAID_LINE`); none for any other
+    event."""
+    paid = F.col("type") == "OrderPaid"
+    return each(table, F.when(paid if when is None else paid & when, field("lines")), make)
+
+
+@dataclass(frozen=True)
+class _One:
+    """One row when `condition` holds."""
+
+    condition: Column
+    row: Column
+    type: DataType
+
+    def column(self) -> Column:
+        empty = F.array().cast(ArrayType(self.type))
+        return F.when(self.condition, F.array(self.row)).otherwise(empty)
+
+    def frame(self, events: DataFrame) -> DataFrame:
+        return events.where(self.condition).select(self.row.alias(ROW))
+
+
+@dataclass(frozen=True)
+class _Each:
+    """One row per element of `items`."""
+
+    items: Column
+    make: Callable[[Column], Column]
+    type: DataType
+
+    def column(self) -> Column:
+        empty = F.array().cast(ArrayType(self.type))
+        return F.coalesce(F.transform(self.items, self.make), empty)
+
+    def frame(self, events: DataFrame) -> DataFrame:
+        exploded = events.select("*", F.explode(self.items).alias(ITEM))
+        return exploded.select(self.make(F.col(ITEM)).alias(ROW))
+
+
+@dataclass(frozen=True)
+class _Array:
+    """The rows of an array column (of structs) given whole."""
+
+    array: Column
+
+    def column(self) -> Column:
+        return self.array
+
+    def frame(self, events: DataFrame) -> DataFrame:
+        return events.select(F.explode(self.array).alias(ROW))
+
+
+ROW, ITEM = "row", "_item"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows one event adds to a view, in parts (`one`, `each`, `each_paid_line`, joined
+    with `+`), each row a struct of the same columns.
+
+    An event's rows as one array column (`rows_column`, for a live batch's JSON) evaluate
+    `each`'s `make` per element in a higher-order function (`F.transform`); the rows of a
+    whole log (`rows_frame`, for a rebuild's folds and COPYs) explode the elements first and
+    evaluate `make` on the exploded rows. Spark generates no code for higher-order functions,
+    and one in a plan makes its whole stage run interpreted: a fold of the paid lines ran 3-4x
+    as long that way (`docs/benchmarks.md`, rebuild)."""
+
+    parts: tuple[_One | _Each | _Array, ...]
+
+    def __add__(self, other: Rows) -> Rows:
+        return Rows(self.parts + other.parts)
+
+
+def _as_rows(rows: Rows | Column) -> Rows:
+    return rows if isinstance(rows, Rows) else Rows((_Array(rows),))
+
+
+def rows_column(output: Output) -> Column:
+    """The rows one event adds to `output`: an array of structs of its columns."""
+    columns = [part.column() for part in _as_rows(output.rows()).parts]
+    return columns[0] if len(columns) == 1 else F.concat(*columns)
+
+
+def rows_frame(output: Output, events: DataFrame) -> DataFrame:
+    """The rows every one of `events` adds to `output`, one per Spark row (its columns)."""
+    frames = [part.frame(events) for part in _as_rows(output.rows()).parts]
+    return reduce(DataFrame.union, frames).select(f"{ROW}.*")
 
 
 def row_type(table: Table) -> StructType:
@@ -140,7 +246,7 @@ def row_type(table: Table) -> StructType:
 
 def fold(output: Output, events: DataFrame) -> DataFrame:
     """One row per key: every event's rows combined by the output's merge rules."""
-    rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
+    rows = rows_frame(output, events)
     vc = output.version_column
     aggs = []
     for column in output.table.columns:

@@ -11,7 +11,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column as SparkColumn
+    from projections._fold import Rows
 
 table = Table(
     "author_royalties",
@@ -28,7 +28,7 @@ def royalty_cents(quantity: int, unit_price_cents: int, rate: float) -> int:
     return int(exact.quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
-def rows() -> SparkColumn:
+def rows() -> Rows:
     """A payment adds, per line, the line's royalty and units to its author."""
     from projections._fold import each_paid_line
     from projections._fold import royalty_cents as royalty_column

@@ -26,6 +26,8 @@ from projections.base import Output, Projection
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
+    from projections._fold import Rows
+
 WITHIN = timedelta(hours=1)
 LATENESS = timedelta(hours=2)
 # Beyond the watermark, how much older than the newest record's event time state may still be
@@ -63,9 +65,18 @@ orders_state = Table(
 )
 
 
-def rows() -> Column:
+def rows() -> Rows:
     """A page view: one view; an OrderPlaced: one order per line (customer, book, time)."""
-    from projections._fold import F, field
+    from pyspark.sql.types import StringType, StructField, StructType, TimestampType
+
+    from projections._fold import F, field, row_per_item, single_row
+
+    side_type = StructType(
+        [
+            *(StructField(c, StringType()) for c in ("kind", "id", "customer_id", "book_id")),
+            StructField("at", TimestampType()),
+        ]
+    )
 
     def side(kind: str, record_id: Column, book_id: Column) -> Column:
         return F.struct(
@@ -76,13 +87,15 @@ def rows() -> Column:
             F.col("occurred_at").alias("at"),
         )
 
-    lines = field("lines")
-    return F.when(
-        F.col("type") == "page_views", F.array(side("view", F.col("event_id"), field("book_id")))
-    ).when(
-        F.col("type") == "OrderPlaced",
-        F.transform(lines, lambda line: side("order", F.col("aggregate_id"), line["book_id"])),
+    view = single_row(
+        F.col("type") == "page_views", side("view", F.col("event_id"), field("book_id")), side_type
     )
+    orders = row_per_item(
+        F.when(F.col("type") == "OrderPlaced", field("lines")),
+        lambda line: side("order", F.col("aggregate_id"), line["book_id"]),
+        side_type,
+    )
+    return view + orders
 
 
 def _seconds(d: timedelta) -> str:

@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column as SparkColumn
+    from projections._fold import Rows
 
 table = Table(
     "books",
@@ -23,7 +23,7 @@ table = Table(
 )
 
 
-def rows() -> SparkColumn:
+def rows() -> Rows:
     """A book event sets the fields it carries; a payment adds the units of each line."""
     from projections._fold import F, each_paid_line, field, one, when_type
 
@@ -41,7 +41,7 @@ def rows() -> SparkColumn:
     sold = each_paid_line(
         table, lambda line: {"book_id": line["book_id"], "units_sold": line["quantity"]}
     )
-    return F.concat(details, sold)
+    return details + sold
 
 
 output = Output(

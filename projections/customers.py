@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column as SparkColumn
+    from projections._fold import Rows
 
 table = Table(
     "customers",
@@ -21,7 +21,7 @@ table = Table(
 )
 
 
-def rows() -> SparkColumn:
+def rows() -> Rows:
     """A customer event sets the fields it carries."""
     from projections._fold import F, field, one, when_type
 

@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column as SparkColumn
+    from projections._fold import Rows
 
 table = Table(
     "orders",
@@ -32,7 +32,7 @@ STATUS = {
 }
 
 
-def rows() -> SparkColumn:
+def rows() -> Rows:
     """An order event moves its status and sets the fields it carries."""
     from projections._fold import F, field, one, when_type
 

@@ -21,7 +21,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column
+    from projections._fold import Rows
 
 table = Table(
     "royalty_payouts",
@@ -41,7 +41,7 @@ table = Table(
 )
 
 
-def rows() -> Column:
+def rows() -> Rows:
     """A payment: per line, the author's royalty on it (the account is looked up in Postgres)."""
     from projections._fold import F, each_paid_line, royalty_cents
 

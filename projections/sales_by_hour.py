@@ -22,6 +22,8 @@ from projections.base import Output, Projection
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
+    from projections._fold import Rows
+
 ALLOWED_LATENESS = timedelta(minutes=10)
 
 table = Table(
@@ -52,26 +54,24 @@ def _watermark() -> Column:
     return F.col("timestamp") - F.expr(f"INTERVAL {int(ALLOWED_LATENESS.total_seconds())} SECONDS")
 
 
-def rows() -> Column:
+def rows() -> Rows:
     """A payment on time adds, per line, its units and revenue to the line's book and hour."""
     from projections._fold import F, each_paid_line
 
     on_time = F.col("occurred_at") >= _watermark()
-    return F.filter(
-        each_paid_line(
-            table,
-            lambda line: {
-                "book_id": line["book_id"],
-                "window_start": F.date_trunc("hour", F.col("occurred_at")),
-                "units": line["quantity"],
-                "revenue_cents": line["quantity"] * line["unit_price_cents"],
-            },
-        ),
-        lambda _: on_time,
+    return each_paid_line(
+        table,
+        lambda line: {
+            "book_id": line["book_id"],
+            "window_start": F.date_trunc("hour", F.col("occurred_at")),
+            "units": line["quantity"],
+            "revenue_cents": line["quantity"] * line["unit_price_cents"],
+        },
+        when=on_time,
     )
 
 
-def late_rows() -> Column:
+def late_rows() -> Rows:
     """A payment that comes too late for its window is set aside, with the watermark."""
     from projections._fold import F, one
 

@@ -17,7 +17,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column
+    from projections._fold import Rows
 
 SIZE, ADVANCE = timedelta(hours=24), timedelta(hours=1)
 LATENESS = timedelta(hours=2)
@@ -32,22 +32,19 @@ table = Table(
 )
 
 
-def rows() -> Column:
+def rows() -> Rows:
     """A page view adds one view to each window of its book that contains it."""
-    from projections._fold import F, field, hopping_windows, row, when_type
+    from projections._fold import F, each, field, hopping_windows, when_type
 
-    return when_type(
-        "page_views",
-        F.transform(
-            hopping_windows(F.col("occurred_at"), SIZE, ADVANCE),
-            lambda start: row(
-                table,
-                book_id=field("book_id"),
-                window_start=start,
-                window_end=start + F.expr(f"INTERVAL {int(SIZE.total_seconds())} SECONDS"),
-                views=F.lit(1),
-            ),
-        ),
+    return each(
+        table,
+        when_type("page_views", hopping_windows(F.col("occurred_at"), SIZE, ADVANCE)),
+        lambda start: {
+            "book_id": field("book_id"),
+            "window_start": F.timestamp_seconds(start),
+            "window_end": F.timestamp_seconds(start + int(SIZE.total_seconds())),
+            "views": F.lit(1),
+        },
     )
 
 

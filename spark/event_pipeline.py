@@ -42,6 +42,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from events.catalog import EVENTS_BY_AGGREGATE
 from events.serialization import Envelope, encode
+from projections._fold import rows_column, rows_frame
 from projections.base import Join, Offsets, Output, Projection
 from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
@@ -95,9 +96,9 @@ POSITION = 7  # columns
 
 def rows_json(output: Output) -> Column:
     """The rows one event adds to `output`, as a JSON array (`[]` for none); null for an event
-    at an older schema version (`_upcast` replaces those). `output.rows()` appears once: Spark
+    at an older schema version (`_upcast` replaces those). The rows appear once: Spark
     optimises these expressions every batch, at a cost that grows with their size."""
-    return F.when(F.col("current"), F.to_json(output.rows(), {"timestampFormat": WIRE_TIME}))
+    return F.when(F.col("current"), F.to_json(rows_column(output), {"timestampFormat": WIRE_TIME}))
 
 
 @dataclass
@@ -268,7 +269,7 @@ def merge_staged(
     with psycopg.connect(database, autocommit=True) as setup:
         setup.execute(f"DROP TABLE IF EXISTS {staged}")
         setup.execute(f"CREATE UNLOGGED TABLE {staged} ({output.staged})")
-    rows = events.select(F.explode(output.rows()).alias("row")).select("row.*")
+    rows = rows_frame(output, events)
     n = bulk_load(database, rows, staged, tuple(rows.columns))
     if n:
         tables = [output.name + suffix, *(f"{s.name}{suffix}" for s in output.state)]

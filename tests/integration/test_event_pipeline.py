@@ -53,10 +53,11 @@ POISON = "Poison Pill"
 
 def broken_rows() -> Any:
     """customers' rows, except that the customer named POISON makes them raise (a bug)."""
-    from projections._fold import F, field
+    from projections._fold import F, field, rows_column
 
     poisoned = F.coalesce(field("name") == POISON, F.lit(False))
-    return F.when(poisoned, F.raise_error(F.lit("deliberately broken"))).otherwise(customers.rows())
+    fine = rows_column(customers.output)
+    return F.when(poisoned, F.raise_error(F.lit("deliberately broken"))).otherwise(fine)
 
 
 BROKEN = Projection(
