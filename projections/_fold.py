@@ -89,7 +89,7 @@ def royalty_cents(quantity: Column, unit_price_cents: Column, rate: Column) -> C
     return F.round(exact, 0).cast("long")
 
 
-# -- an event's rows: an array of structs of the table's columns (see Output.rows) ----------
+# -- an event's rows: structs of the table's columns, in `Rows` parts (see Output.rows) -----
 
 
 def spark_type(column: SqlColumn[Any]) -> DataType:
@@ -212,8 +212,8 @@ class Rows:
     `each`'s `make` per element in a higher-order function (`F.transform`); the rows of a
     whole log (`rows_frame`, for a rebuild's folds and COPYs) explode the elements first and
     evaluate `make` on the exploded rows. Spark generates no code for higher-order functions,
-    and one in a plan makes its whole stage run interpreted: a fold of the paid lines ran 3-4x
-    as long that way (`docs/benchmarks.md`, rebuild)."""
+    and one in a plan makes its whole stage run interpreted: the paid lines' rows took 4x as
+    long to build that way, their views' loads up to twice (`docs/benchmarks.md`, rebuild)."""
 
     parts: tuple[_One | _Each | _Array, ...]
 

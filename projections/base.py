@@ -71,11 +71,12 @@ class Output(View):
 
     `rows()` gives the rows one event adds (over the columns of `spark/decode.py`), each a
     struct of the table's columns: built in parts by `projections/_fold.py` (`one`, `each`,
-    `each_paid_line`: a `Rows`), or any Spark column of an array of them. Rows with the same key combine by `merge`: `latest` takes
-    the value of the newest row (by `version_column`) that sets it, `sum` adds; any other
-    column keeps the first row's value. The live pipeline combines a batch's rows in Postgres
-    (`combine_sql`, then `upsert_sql` into the table); a rebuild combines the whole log's in
-    Spark (`transform`). Both follow these rules, so both give the same table."""
+    `each_paid_line`: a `Rows`), or any Spark column of an array of them. Rows with the same
+    key combine by `merge`: `latest` takes the value of the newest row (by `version_column`)
+    that sets it, `sum` adds; any other column keeps the first row's value. The live pipeline
+    combines a batch's rows in Postgres (`combine_sql`, then `upsert_sql` into the table); a
+    rebuild combines the whole log's in Spark (`transform`). Both follow these rules, so both
+    give the same table."""
 
     rows: Callable[[], Any]  # () -> `projections._fold.Rows`, or a pyspark Column of an array
     merge: dict[str, Merge]

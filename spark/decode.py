@@ -269,6 +269,7 @@ def kafka_options(bootstrap: str) -> dict[str, str]:
 
 # A batch read fetches up to 16 MB of a partition at a time (the consumer's default is 1 MB):
 # reading a million records took 2.2-2.6 s against 3.1-3.5 s (`docs/benchmarks.md`, rebuild).
+# A live batch's read of a few records gets what is there either way.
 BATCH_FETCH = {
     "kafka.max.partition.fetch.bytes": str(16 << 20),
     "kafka.fetch.max.bytes": str(64 << 20),

@@ -237,7 +237,8 @@ def test_a_whole_logs_rows_are_each_events_rows_and_run_without_lambdas(
 ) -> None:
     """A rebuild takes a whole log's rows exploded first (`rows_frame`), a live batch each
     event's rows as one array (`rows_column`): both must give the same rows, and the first
-    must hold no higher-order function (Spark runs a plan with one interpreted: 3-4x slower)."""
+    must hold no higher-order function (Spark runs a plan with one interpreted, several times
+    slower)."""
     import json
 
     from projections._fold import rows_column, rows_frame
