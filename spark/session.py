@@ -15,6 +15,11 @@ from stack.settings import Settings
 
 POM = Path(stack.__file__).parent / "spark" / "pom.xml"
 FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spark does
+# Classes of generated code a process keeps compiled (Spark's default: 100). A rebuild of
+# every view generates ~120: with 100, each rebuild evicted the classes the next one needed
+# first, so every rebuild compiled them all again, and the JVM then compiled them again to
+# machine code, half the JVM's CPU in a rebuild (`docs/benchmarks.md`, rebuild).
+CODEGEN_CACHE = 1000
 CHECKPOINT_FILE_MANAGER = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 )
@@ -60,6 +65,7 @@ def session(
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")  # Logfold's commands draw their own
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.codegen.cache.maxEntries", str(CODEGEN_CACHE))
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
         .config("spark.scheduler.mode", "FAIR")
         # Local files without .crc checksum files: a streaming checkpoint writes two small

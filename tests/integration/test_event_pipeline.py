@@ -265,6 +265,33 @@ def test_a_rebuild_folds_old_schema_events_upcast_beside_current_ones(
     assert royalties == [("Le Guin", 2)]
 
 
+def test_a_rebuild_run_again_in_the_same_process_compiles_no_new_code(
+    base_settings: Settings, spark: Any
+) -> None:
+    """Spark keeps the classes it generated for a rebuild's plans: the same rebuild again (as a
+    long-lived process or the benchmark runs it) compiles none, where a cache smaller than a
+    rebuild's classes made every rebuild compile all of them again."""
+    from spark.rebuild import Rebuild
+
+    settings = new_deployment(base_settings)
+    line = PlacedLine("b-1", 2, 900, "Le Guin", 0.1)
+    append_events(settings, "customer", "c-1", (1, CustomerRegistered("Ursula", "u@x.org"), AT))
+    append_events(
+        settings, "book", "b-1", (1, BookAdded("The Dispossessed", "Le Guin", 900, 0.1), AT)
+    )
+    placed, paid = OrderPlaced("c-1", (line,), 1800), OrderPaid(1800, (line,))
+    append_events(settings, "order", "o-1", (1, placed, AT), (2, paid, AT))
+    compiled = spark._jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()
+    rebuild = Rebuild(settings, spark)
+
+    rebuild.run_many(list(PROJECTIONS.values()), progress=False)
+    first = compiled.getCount()
+    rebuild.run_many(list(PROJECTIONS.values()), progress=False)
+
+    assert compiled.getCount() == first
+    assert differences(settings) == {}
+
+
 def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
     base_settings: Settings, spark: Any
 ) -> None:
