@@ -61,3 +61,21 @@ def test_only_the_rows_that_differ_are_written(deployment: Settings) -> None:
         assert untouched == {f"({shop},{item})" for shop, item, *_ in unchanged}
         # Written again with nothing to change, nothing is written.
         assert replace_contents(conn, "live", "shadow", KEY, COLUMNS) == 0
+
+
+def test_an_empty_table_takes_every_row(deployment: Settings) -> None:
+    """A view no projector has filled yet takes the shadow's rows whole (one plain insert)."""
+    shadow_rows = [
+        ("s1", "a", "x", 1, 0.5, "2026-11-26T10:00:00Z"),
+        ("s1", "b", None, None, None, None),
+        ("s2", "a", "y", 2, None, None),
+    ]
+    insert = f"INSERT INTO shadow ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 6)})"
+    with psycopg.connect(deployment.database()) as conn:
+        conn.execute(f"CREATE TEMP TABLE live ({TABLE}, PRIMARY KEY (shop, item))")
+        conn.execute(f"CREATE TEMP TABLE shadow ({TABLE}, PRIMARY KEY (shop, item))")
+        conn.cursor().executemany(insert, shadow_rows)
+
+        assert replace_contents(conn, "live", "shadow", KEY, COLUMNS) == len(shadow_rows)
+        assert rows(conn, "live") == rows(conn, "shadow")
+        assert replace_contents(conn, "live", "shadow", KEY, COLUMNS) == 0
