@@ -7,16 +7,18 @@
    adds in Postgres) and give the shadow its key.
    A projection whose rows combine only in Postgres, or that counts stream records once
    (`Projection.replayed`), is merged from the same read into its shadows by the live
-   pipeline's merge instead. Two projections load at a time (a merge keeps a Postgres backend
-   busy while Spark folds and copies another).
+   pipeline's merge instead.
 2. Catch each shadow up, in batches, to whatever the live projector has applied meanwhile.
-Then, for each projection (two at a time, each in its own transaction):
 3. Holding the projection's progress lock (live batches wait): apply the last few events,
    optionally compare live and shadow row for row, then make the live table equal to the shadow
-   by writing only the rows that differ (usually none), all in one transaction: readers see the
-   old rows until the commit, and CDC sees each real change, so changelogs, joined views and
-   websocket subscribers follow. Other projections are not touched. (A live view no projector
-   has ever applied anything to is simply replaced: its rows and progress become the shadow's.)
+   by writing only the rows that differ (usually none), all in one transaction of the
+   projection's own: readers see the old rows until the commit, and CDC sees each real change,
+   so changelogs, joined views and websocket subscribers follow. Other projections are not
+   touched. (A live view no projector has ever applied anything to is simply replaced: its
+   rows and progress become the shadow's.)
+Two projections are rebuilt at a time, each swapped as soon as its shadows are loaded: a
+replayed projection's merge, or a swap, keeps a Postgres backend busy while Spark folds and
+copies another.
 """
 
 from __future__ import annotations
@@ -60,8 +62,7 @@ log = logging.getLogger(__name__)
 
 SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
-SWAPS = 2  # projections swapped at once
-LOADS = 2  # projections loaded into their shadows at once
+AT_ONCE = 2  # projections rebuilt at once (each loaded, then swapped)
 # Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
 # of sorting both copies on disk, `docs/benchmarks.md`, rebuild) and for building a shadow's
 # indexes and keys after its load.
@@ -133,9 +134,7 @@ class Rebuild:
         # (`spark.decode.DATA`); a record's bytes are kept only if the upcasters must decode it.
         records = every_event(parse_events(raw, self._streams(projections)))
         decoded = records.withColumn("value", F.when(~F.col("current"), F.col("value"))).persist()
-        covered: dict[str, dict[str, int]] = {}
-        counted: dict[str, tuple[int, int]] = {}  # events applied and late, as the live counts
-        load: dict[str, float] = {}
+        reports: dict[str, Report] = {}
         try:
             seen, counts, old = _survey(decoded)  # reads the log, once, into the cache
             events = decoded
@@ -155,44 +154,36 @@ class Rebuild:
                 label = projections[0].name if len(projections) == 1 else "every projection"
                 bar = tqdm(total=total, unit="ev", desc=f"rebuild {label}", disable=not progress)
                 with bar:
-                    # Two loads at a time: a replayed projection's merge keeps one Postgres
-                    # backend (a core) busy while Spark folds and copies the others. The
-                    # heaviest start first (replayed ones, then by their events).
+                    # Two projections at a time, each loaded then swapped at once: a replayed
+                    # projection's merge, or a swap, keeps one Postgres backend (a core) busy
+                    # while Spark folds and copies another. The heaviest start first
+                    # (replayed ones, then by their events).
                     heaviest = sorted(
                         projections, key=lambda p: (p.replayed, shares[p.name]), reverse=True
                     )
 
-                    def load_one(p: Projection) -> None:
+                    def rebuild_one(p: Projection) -> None:
                         t0 = time.monotonic()
-                        covered[p.name], counted[p.name] = self._load(
-                            p, events, seen, shares[p.name], bar
-                        )
-                        load[p.name] = time.monotonic() - t0
+                        covered, counted = self._load(p, events, seen, shares[p.name], bar)
+                        t1 = time.monotonic()
+                        report = self._swap(p, self._catch_up(p, covered), verify, counted)
+                        done = time.monotonic()
+                        report.events = shares[p.name]
+                        # The shared read is split between projections by their events.
+                        part = shares[p.name] / max(sum(shares.values()), 1)
+                        report.seconds = read * part + done - t0
+                        report.steps = {"read": read, "load": t1 - t0, "swap": done - t1}
+                        reports[p.name] = report
 
-                    with ThreadPoolExecutor(LOADS, thread_name_prefix="load") as pool:
-                        list(pool.map(load_one, heaviest))
+                    with ThreadPoolExecutor(AT_ONCE, thread_name_prefix="rebuild") as pool:
+                        list(pool.map(rebuild_one, heaviest))
                     bar.n = total
                     bar.refresh()
             finally:
                 events.unpersist()
         finally:
             decoded.unpersist()
-        loaded = time.monotonic()
-
-        def swap(p: Projection) -> Report:
-            t0 = time.monotonic()
-            report = self._swap(p, self._catch_up(p, covered[p.name]), verify, counted[p.name])
-            report.events = shares[p.name]
-            # The shared read and load are split between projections by their events.
-            part = shares[p.name] / max(sum(shares.values()), 1)
-            report.seconds = (loaded - started) * part + time.monotonic() - t0
-            report.steps = {"read": read, "load": load[p.name], "swap": time.monotonic() - t0}
-            return report
-
-        # Each projection's swap is its own transaction on its own tables, mostly one
-        # Postgres backend comparing rows: two at a time keep both cores busy.
-        with ThreadPoolExecutor(max_workers=SWAPS, thread_name_prefix="swap") as pool:
-            return list(pool.map(swap, projections))
+        return [reports[p.name] for p in projections]
 
     def _names(self, projection: Projection) -> list[str]:
         return projection.topic_names(self.topics)
