@@ -18,7 +18,7 @@ FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spa
 # Classes of generated code a process keeps compiled (Spark's default: 100). A rebuild of
 # every view generates ~120: with 100, each rebuild evicted the classes the next one needed
 # first, so every rebuild compiled them all again, and the JVM then compiled them again to
-# machine code, half the JVM's CPU in a rebuild (`docs/benchmarks.md`, rebuild).
+# machine code: about a third of the JVM's CPU in a warm rebuild (`docs/benchmarks.md`, rebuild).
 CODEGEN_CACHE = 1000
 CHECKPOINT_FILE_MANAGER = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"

@@ -236,6 +236,17 @@ def test_old_schema_events_are_folded_upcast_in_a_batch_with_current_ones(
     assert rows == {legacy: "grace@example.com", current: f"{current}@x.org"}
 
 
+def append_a_paid_order(settings: Settings) -> None:
+    """Customer c-1 registered, book b-1 added, and order o-1 of two copies placed and paid."""
+    line = PlacedLine("b-1", 2, 900, "Le Guin", 0.1)
+    append_events(settings, "customer", "c-1", (1, CustomerRegistered("Ursula", "u@x.org"), AT))
+    append_events(
+        settings, "book", "b-1", (1, BookAdded("The Dispossessed", "Le Guin", 900, 0.1), AT)
+    )
+    placed, paid = OrderPlaced("c-1", (line,), 1800), OrderPaid(1800, (line,))
+    append_events(settings, "order", "o-1", (1, placed, AT), (2, paid, AT))
+
+
 def test_a_rebuild_folds_old_schema_events_upcast_beside_current_ones(
     base_settings: Settings, spark: Any
 ) -> None:
@@ -247,13 +258,7 @@ def test_a_rebuild_folds_old_schema_events_upcast_beside_current_ones(
     settings = new_deployment(base_settings)
     legacy = f"legacy-{uuid.uuid4().hex[:10]}"
     produce_raw(settings, legacy, json.dumps(v1_customer_registered(legacy)).encode())
-    line = PlacedLine("b-1", 2, 900, "Le Guin", 0.1)
-    append_events(settings, "customer", "c-1", (1, CustomerRegistered("Ursula", "u@x.org"), AT))
-    append_events(
-        settings, "book", "b-1", (1, BookAdded("The Dispossessed", "Le Guin", 900, 0.1), AT)
-    )
-    placed, paid = OrderPlaced("c-1", (line,), 1800), OrderPaid(1800, (line,))
-    append_events(settings, "order", "o-1", (1, placed, AT), (2, paid, AT))
+    append_a_paid_order(settings)
 
     Rebuild(settings, spark).run_many(list(PROJECTIONS.values()), progress=False)
 
@@ -274,13 +279,7 @@ def test_a_rebuild_run_again_in_the_same_process_compiles_no_new_code(
     from spark.rebuild import Rebuild
 
     settings = new_deployment(base_settings)
-    line = PlacedLine("b-1", 2, 900, "Le Guin", 0.1)
-    append_events(settings, "customer", "c-1", (1, CustomerRegistered("Ursula", "u@x.org"), AT))
-    append_events(
-        settings, "book", "b-1", (1, BookAdded("The Dispossessed", "Le Guin", 900, 0.1), AT)
-    )
-    placed, paid = OrderPlaced("c-1", (line,), 1800), OrderPaid(1800, (line,))
-    append_events(settings, "order", "o-1", (1, placed, AT), (2, paid, AT))
+    append_a_paid_order(settings)
     compiled = spark._jvm.org.apache.spark.metrics.source.CodegenMetrics.METRIC_COMPILATION_TIME()
     rebuild = Rebuild(settings, spark)
 
