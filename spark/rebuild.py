@@ -65,7 +65,7 @@ CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked
 AT_ONCE = 2  # projections rebuilt at once (each loaded, then swapped)
 # Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
 # of sorting both copies on disk, `docs/benchmarks.md`, rebuild) and for building a shadow's
-# indexes and keys after its load.
+# indexes and keys after its load, and an empty state table's indexes after the swap fills it.
 WORK_MEM = "256MB"
 
 
@@ -202,6 +202,7 @@ class Rebuild:
                 # Secondary indexes are built once after the whole log, not row by row
                 # during it (the merges of so large a batch join by hashing, not by them).
                 indexes = drop_indexes(conn, [f"{t}{SHADOW}" for t in _tables(p)])
+                conn.commit()
                 with conn.transaction():
                     # The shadows are new: their keys are built after the first merge.
                     conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
@@ -273,6 +274,7 @@ class Rebuild:
         report = Report(projection.name, 0, 0.0)
         with psycopg.connect(self.url) as conn, conn.transaction():
             conn.execute(f"SET LOCAL work_mem = '{WORK_MEM}'")
+            conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
             live = lock_progress(conn, projection.name)  # live batches wait from here
             # Bring both to the same position: the shadow to what the live view has applied,
             # the live view to what the snapshot read (as its next batches would have).
@@ -300,7 +302,9 @@ class Rebuild:
                 for state in output.state:
                     key = tuple(str(c.name) for c in state.primary_key.columns)
                     columns = tuple(str(c.name) for c in state.columns)
-                    replace_contents(conn, state.name, state.name + SHADOW, key, columns)
+                    replace_contents(
+                        conn, state.name, state.name + SHADOW, key, columns, private=True
+                    )
                     conn.execute(f"DROP TABLE {state.name}{SHADOW}")
             if projection.streams:
                 move_stream_ids(conn, projection.name + SHADOW, projection.name)

@@ -79,3 +79,46 @@ def test_an_empty_table_takes_every_row(deployment: Settings) -> None:
         assert replace_contents(conn, "live", "shadow", KEY, COLUMNS) == len(shadow_rows)
         assert rows(conn, "live") == rows(conn, "shadow")
         assert replace_contents(conn, "live", "shadow", KEY, COLUMNS) == 0
+
+
+def test_an_empty_private_table_is_filled_and_gets_every_index_back(deployment: Settings) -> None:
+    """A projection's state (`private`): filled without its secondary indexes, which are then
+    built again as they were, in the caller's transaction."""
+    shadow_rows = [(f"s{i % 7}", f"i{i}", f"l{i % 3}", i, i / 4, None) for i in range(500)]
+    insert = f"INSERT INTO shadow ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 6)})"
+
+    def indexes(conn: psycopg.Connection[Any]) -> dict[str, str]:
+        found = conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'live'")
+        return dict(found.fetchall())
+
+    with psycopg.connect(deployment.database()) as conn:
+        conn.execute(f"CREATE TEMP TABLE live ({TABLE}, PRIMARY KEY (shop, item))")
+        conn.execute("CREATE INDEX live_label_price ON live (label, price DESC)")
+        conn.execute("CREATE INDEX live_priced ON live (at) WHERE price > 10")
+        conn.execute(f"CREATE TEMP TABLE shadow ({TABLE}, PRIMARY KEY (shop, item))")
+        conn.cursor().executemany(insert, shadow_rows)
+        conn.commit()
+        before = indexes(conn)
+        assert len(before) == 3
+        oids = (
+            "SELECT indexrelid::regclass::text, indexrelid FROM pg_index "
+            "WHERE indrelid = 'live'::regclass"
+        )
+        built = dict(conn.execute(oids).fetchall())
+
+        assert replace_contents(conn, "live", "shadow", KEY, COLUMNS, private=True) == 500
+        assert indexes(conn) == before
+        # The secondary indexes were built after the insert (new ones); the key was kept.
+        rebuilt = dict(conn.execute(oids).fetchall())
+        assert {n for n in built if rebuilt[n] != built[n]} == {"live_label_price", "live_priced"}
+        assert rows(conn, "live") == rows(conn, "shadow")
+        # The indexes hold every row: a lookup through one finds what a scan finds.
+        conn.execute("SET LOCAL enable_seqscan = off")
+        plan = conn.execute("EXPLAIN SELECT item FROM live WHERE label = 'l1'").fetchall()
+        assert "live_label_price" in str(plan)
+        found = conn.execute("SELECT count(*) FROM live WHERE label = 'l1'").fetchone()
+        assert found == (sum(1 for r in shadow_rows if r[2] == "l1"),)
+
+        conn.rollback()  # nothing of it outlives the caller's transaction
+        assert indexes(conn) == before
+        assert conn.execute("SELECT count(*) FROM live").fetchone() == (0,)
