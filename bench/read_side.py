@@ -40,8 +40,9 @@ recorded apart (`settling`), not counted.
 
 rebuild: writes N events of a realistic bookshop mix straight into the event topics, then times
 the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
-run, the bare rate of reading the same records from Kafka with Spark (no decoding) and of
-COPYing rows of the views' width into Postgres, as ceilings.
+run, the bare rate of reading the same records from Kafka with Spark (no decoding), of reading
+and decoding them as the rebuild does (nothing kept: Spark's `noop` sink), and of COPYing rows
+of the views' width into Postgres, as ceilings.
 
 batch: what one micro-batch of the event pipeline costs in Spark (the job that turns a batch
 of records into every view's rows, as the live projector runs it), for a small batch (a few
@@ -786,7 +787,7 @@ def write_log(settings: Settings, events: int, seed: int = 3) -> int:
 
 def rebuild(args: argparse.Namespace) -> dict[str, Any]:
     from projections.registry import PROJECTIONS
-    from spark.decode import read_batch
+    from spark.decode import every_event, parse_events, read_batch
     from spark.rebuild import Rebuild
     from spark.session import session
 
@@ -812,6 +813,14 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
                 results.setdefault(f"{step} seconds", []).append(round(seconds, 2))
             results.setdefault("all_views_seconds", []).append(took)
             results.setdefault("all_views_events_per_s", []).append(written / took)
+            # The least any rebuild of this log does: read every record and decode it (after
+            # the rebuild, so that its first run is not warmed by it).
+            t = time.perf_counter()
+            raw = read_batch(spark, settings.kafka(), everything, "earliest", "latest")
+            every_event(parse_events(raw)).write.format("noop").mode("overwrite").save()
+            results.setdefault("spark_read_and_decode_per_s", []).append(
+                n / (time.perf_counter() - t)
+            )
         spark.stop()
         medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
         return {**results, "medians": medians}
