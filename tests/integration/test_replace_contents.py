@@ -4,6 +4,7 @@ change and nothing else."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -24,6 +25,16 @@ def rows(conn: psycopg.Connection[Any], table: str) -> dict[tuple[str, str], tup
     return {(r[0], r[1]): tuple(r[2:]) for r in found}
 
 
+def live_and_shadow(
+    conn: psycopg.Connection[Any], shadow_rows: Sequence[Any], live_rows: Sequence[Any] = ()
+) -> None:
+    """Temporary tables `live` and `shadow`, keyed by `KEY`, holding those rows."""
+    insert = f"INSERT INTO {{}} ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 6)})"
+    for table, found in (("live", live_rows), ("shadow", shadow_rows)):
+        conn.execute(f"CREATE TEMP TABLE {table} ({TABLE}, PRIMARY KEY (shop, item))")
+        conn.cursor().executemany(insert.format(table), found)
+
+
 def test_only_the_rows_that_differ_are_written(deployment: Settings) -> None:
     unchanged = [
         ("s1", "same", "a", 1, 0.5, "2026-11-26T10:00:00Z"),
@@ -42,12 +53,10 @@ def test_only_the_rows_that_differ_are_written(deployment: Settings) -> None:
         ("s2", "from-null", None, None, 0.75, None),
     ]
     shadow_only = [("s3", "new", "n", 3, 0.125, "2026-11-26T12:00:00Z")]
-    insert = f"INSERT INTO {{}} ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 6)})"
     with psycopg.connect(deployment.database()) as conn:
-        conn.execute(f"CREATE TEMP TABLE live ({TABLE}, PRIMARY KEY (shop, item))")
-        conn.execute(f"CREATE TEMP TABLE shadow ({TABLE}, PRIMARY KEY (shop, item))")
-        conn.cursor().executemany(insert.format("live"), unchanged + live_only + changed_live)
-        conn.cursor().executemany(insert.format("shadow"), unchanged + changed_shadow + shadow_only)
+        live_and_shadow(
+            conn, unchanged + changed_shadow + shadow_only, unchanged + live_only + changed_live
+        )
         conn.commit()  # the rows of `unchanged` now belong to an earlier transaction
         before = dict(conn.execute("SELECT (shop, item)::text, xmin::text FROM live").fetchall())
 
@@ -70,11 +79,8 @@ def test_an_empty_table_takes_every_row(deployment: Settings) -> None:
         ("s1", "b", None, None, None, None),
         ("s2", "a", "y", 2, None, None),
     ]
-    insert = f"INSERT INTO shadow ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 6)})"
     with psycopg.connect(deployment.database()) as conn:
-        conn.execute(f"CREATE TEMP TABLE live ({TABLE}, PRIMARY KEY (shop, item))")
-        conn.execute(f"CREATE TEMP TABLE shadow ({TABLE}, PRIMARY KEY (shop, item))")
-        conn.cursor().executemany(insert, shadow_rows)
+        live_and_shadow(conn, shadow_rows)
 
         assert replace_contents(conn, "live", "shadow", KEY, COLUMNS) == len(shadow_rows)
         assert rows(conn, "live") == rows(conn, "shadow")
@@ -85,18 +91,15 @@ def test_an_empty_private_table_is_filled_and_gets_every_index_back(deployment: 
     """A projection's state (`private`): filled without its secondary indexes, which are then
     built again as they were, in the caller's transaction."""
     shadow_rows = [(f"s{i % 7}", f"i{i}", f"l{i % 3}", i, i / 4, None) for i in range(500)]
-    insert = f"INSERT INTO shadow ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * 6)})"
 
     def indexes(conn: psycopg.Connection[Any]) -> dict[str, str]:
         found = conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'live'")
         return dict(found.fetchall())
 
     with psycopg.connect(deployment.database()) as conn:
-        conn.execute(f"CREATE TEMP TABLE live ({TABLE}, PRIMARY KEY (shop, item))")
+        live_and_shadow(conn, shadow_rows)
         conn.execute("CREATE INDEX live_label_price ON live (label, price DESC)")
         conn.execute("CREATE INDEX live_priced ON live (at) WHERE price > 10")
-        conn.execute(f"CREATE TEMP TABLE shadow ({TABLE}, PRIMARY KEY (shop, item))")
-        conn.cursor().executemany(insert, shadow_rows)
         conn.commit()
         before = indexes(conn)
         assert len(before) == 3
