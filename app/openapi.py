@@ -165,6 +165,8 @@ def _column_schema(python_type: type) -> dict[str, Any]:
         return {"type": "number"}
     if python_type.__name__ == "datetime":
         return {"type": "string", "format": "date-time"}
+    if python_type.__name__ == "date":
+        return {"type": "string", "format": "date"}
     return {"type": "string"}
 
 
@@ -283,7 +285,7 @@ def view_paths(errors: dict[str, Any]) -> dict[str, Any]:
         columns = {c.name: _column_schema(c.type.python_type) for c in view.table.columns}
         row = {"type": "object", "properties": columns}
         filters = [
-            {"name": c, "in": "query", "required": False, "schema": {"type": "string"}}
+            {"name": c, "in": "query", "required": False, "schema": columns[c]}
             for c in view.filterable
         ]
         key = ",".join(view.key)

@@ -8,12 +8,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
 
 from cdc.capture import slot_name
 from cdc.changes import Snapshot
@@ -116,25 +117,40 @@ class BadValue(ValueError):
     """A filter, key or cursor value that does not fit its column."""
 
 
+BIGINT = 2**63  # Postgres' integers are at most 64 bits
+
+
 def coerce(column: sa.Column[Any], value: Any) -> Any:
-    """`value` (text from a URL or a cursor) as the column's Python type, or BadValue."""
+    """`value` (text from a URL, a cursor or a websocket filter) as the column's Python type,
+    or BadValue. A time is also one every layer can hold: in UTC (rows and changes carry it
+    so), within Python's years 1 to 9999."""
     kind = column.type.python_type
     try:
         if kind is datetime:
             parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-        if kind is int and isinstance(value, str) and not value.lstrip("-").isdigit():
-            raise ValueError(value)
+            return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).astimezone(UTC)
+        if kind is date:
+            return date.fromisoformat(str(value))
+        if kind is int:
+            if isinstance(value, bool) or (
+                isinstance(value, str) and not value.lstrip("-").isdigit()
+            ):
+                raise ValueError(value)
+            number = int(value)
+            if not -BIGINT <= number < BIGINT:
+                raise ValueError(value)
+            return number
         result = kind(value)
         if isinstance(result, str) and "\x00" in result:
             raise ValueError(value)  # Postgres text cannot hold NUL
         return result
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise BadValue(f"{value!r} is not a valid {column.name}") from e
 
 
 def encode_cursor(values: list[Any]) -> str:
-    raw = json.dumps([v.isoformat() if isinstance(v, datetime) else v for v in values])
+    """The key of a page's last row, in wire form (a time or a day as ISO text), opaque."""
+    raw = json.dumps([wire_value(v) for v in values])
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
@@ -311,20 +327,30 @@ class ReadModel:
 
     def _end_offsets(self, partitions: list[TopicPartition]) -> dict[str, int]:
         """The current end offsets of `partitions`, as "topic:partition" -> offset (under
-        `_lock`). The client is kept between calls, and dropped after a failure."""
-        if self._offsets is None:
-            self._offsets = KafkaConsumer(
-                bootstrap_servers=self.settings.kafka(),
-                metrics_enabled=False,
-                isolation_level="read_committed",
-                request_timeout_ms=3000,
-            )
-        try:
-            found = self._offsets.end_offsets(partitions)
-        except BaseException:
-            self.close_offsets()
-            raise
-        return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
+        `_lock`). The client is kept between calls, and dropped after a failure; a failed call
+        is tried once more on a new client (a broker may have closed the kept one's connection).
+        Whatever the client raises comes out as a KafkaError, which callers answer with `503`:
+        kafka-python lets other errors out too (a KeyError for a partition whose answer was lost
+        with its connection)."""
+        for attempt in (1, 2):
+            if self._offsets is None:
+                self._offsets = KafkaConsumer(
+                    bootstrap_servers=self.settings.kafka(),
+                    metrics_enabled=False,
+                    isolation_level="read_committed",
+                    request_timeout_ms=3000,
+                )
+            try:
+                found = self._offsets.end_offsets(partitions)
+                return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
+            except Exception as e:
+                self.close_offsets()
+                if attempt == 2:
+                    if isinstance(e, KafkaError):
+                        raise
+                    raise KafkaError(f"end offsets: {type(e).__name__}: {e}") from e
+                log.info("end offsets failed (%s: %s); trying a new client", type(e).__name__, e)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.signal.close()

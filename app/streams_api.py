@@ -6,7 +6,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
-from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+)
 
 from app.auth import require
 from app.errors import ApiError, json_object, unavailable
@@ -26,6 +34,15 @@ def _text(value: object) -> object:
     return value
 
 
+def _utc(value: datetime) -> datetime:
+    """The time in UTC, as the record carries it; one that UTC cannot hold (year 1 east of
+    Greenwich, year 9999 west of it) is invalid, not a crash."""
+    try:
+        return value.astimezone(UTC)
+    except OverflowError as e:
+        raise ValueError("is out of range: in UTC it must fall within the years 1 to 9999") from e
+
+
 class RecordIn(BaseModel):
     """One record of `POST /streams/<stream>/records`; `data` is checked against the stream's
     own model."""
@@ -34,7 +51,9 @@ class RecordIn(BaseModel):
 
     id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
     # ISO-8601 with a zone offset; a number would pass as a Unix time without the text check.
-    occurred_at: Annotated[AwareDatetime, Field(strict=False), BeforeValidator(_text)]
+    occurred_at: Annotated[
+        AwareDatetime, Field(strict=False), BeforeValidator(_text), AfterValidator(_utc)
+    ]
     data: dict[str, object]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
+from kafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
 from sqlalchemy.exc import OperationalError
@@ -320,6 +321,16 @@ class Connection:
                     **p.details,
                 }
             )
+        except Exception:  # a bug, not the client's doing: said, logged, and the socket stays
+            log.exception("websocket message failed")
+            self.client.offer(
+                {
+                    "type": "error",
+                    "id": sub_id,
+                    "code": "internal",
+                    "message": "unexpected server error; it has been logged",
+                }
+            )
 
     def _subscribe(self, m: Subscribe) -> None:
         found = VIEWS.get(m.view)
@@ -382,6 +393,9 @@ class Connection:
             lag = self.model.lag().get(fold.name, {})
         except (OperationalError, PoolTimeout) as e:
             raise Problem("unavailable", "the database is unavailable; retry", m.id) from e
+        except KafkaError as e:  # the log's end offsets, for a view fed by changelogs
+            log.warning("consistent_with on %s: Kafka did not answer (%s)", m.view, e)
+            raise Problem("unavailable", "Kafka is unavailable; retry", m.id) from e
         raise Problem(
             "timeout",
             f"{m.view} did not reach the position within {m.wait:g}s",

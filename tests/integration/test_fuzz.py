@@ -11,20 +11,29 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import pytest
 import schemathesis
+import sqlalchemy as sa
 from flask import Flask
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.specs.openapi.formats import get_default_format_strategies
 from werkzeug.serving import make_server
 
 from app import close_app, create_app
+from app.views_api import MAX_LIMIT
+from commands.messages import Position
 from commands.processor import CommandProcessor
+from projections.registry import VIEWS
+from stack.migrate import sqlalchemy_url
 from stack.procs import free_port
 from stack.settings import Settings
+from stack.topics import Topics
 from tests.support import token
 from tests.wsclient import WsClient
 
@@ -34,12 +43,74 @@ REQUESTS = 2000
 AUTH = {"Authorization": f"Bearer {token()}"}
 
 
+# Times at the ends of what the layers hold: Python's years 1 and 9999, with offsets that push
+# them past UTC's range, and Postgres' own ends (a bigger year or `infinity`) in the rows.
+EDGE_TIMES = [
+    "0001-01-01T00:00:00Z",
+    "0001-01-01T00:00:00+05:00",
+    "0001-01-01T00:00:00+14:00",
+    "0001-01-01T13:59:59-14:00",
+    "9999-12-31T23:59:59Z",
+    "9999-12-31T23:59:59-05:00",
+    "9999-12-31T10:00:01-14:00",
+    "9999-12-31T23:59:59.999999+14:00",
+    "2026-11-27T12:00:00+14:00",
+    "2026-11-27T12:00:00-14:00",
+]
+EDGE_DAYS = ["0001-01-01", "9999-12-31", "2026-02-29", "2024-02-29"]
+ROWS_PER_VIEW = MAX_LIMIT + 25  # every view pages, whatever `limit` a request asks for
+
+
+def _value(column: sa.Column[Any], i: int) -> Any:
+    """The `i`th generated value of `column`, unique per row, times and days at their edges."""
+    kind = column.type.python_type
+    if kind is datetime:
+        early = datetime(1, 1, 1, tzinfo=UTC) + timedelta(minutes=i)
+        late = datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC) - timedelta(minutes=i)
+        return early if i % 2 else late
+    if kind is date:
+        return date(1, 1, 1) + timedelta(days=i) if i % 2 else date(9999, 12, 31) - timedelta(i)
+    if kind is int:
+        return i
+    if kind is float:
+        return i / 1000
+    if kind is str:
+        return f"{column.name}-{i:05d}"
+    return [f"b{i}"]  # JSON
+
+
+def populate_views(settings: Settings) -> None:
+    """Every view's table with more rows than the largest page, written straight to Postgres
+    (this is the read side's input; no projector runs in this module)."""
+    engine = sa.create_engine(sqlalchemy_url(settings.database()))
+    try:
+        tables = {view.table.name: view.table for _, view in VIEWS.values()}
+        with engine.begin() as conn:
+            for table in tables.values():
+                rows = [{c.name: _value(c, i) for c in table.columns} for i in range(ROWS_PER_VIEW)]
+                conn.execute(table.insert(), rows)
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture(scope="module")
 def app(deployment: Settings, processor: CommandProcessor) -> Iterator[Flask]:
+    populate_views(deployment)
     # Short waits: generated `wait`s and commands must not make the run minutes long.
     flask_app = create_app(deployment.model_copy(update={"command_timeout_s": 3.0}))
     yield flask_app
     close_app(flask_app)
+
+
+@pytest.fixture
+def edge_times() -> Iterator[None]:
+    """Generated `date-time` and `date` strings include the edge values half of the time."""
+    defaults = get_default_format_strategies()
+    for name, edges in (("date-time", EDGE_TIMES), ("date", EDGE_DAYS)):
+        schemathesis.openapi.format(name, st.one_of(st.sampled_from(edges), defaults[name]))
+    yield
+    for name in ("date-time", "date"):
+        schemathesis.openapi.format(name, defaults[name])
 
 
 def error_problems(status: int, body: bytes, content_type: str) -> str | None:
@@ -61,7 +132,9 @@ def error_problems(status: int, body: bytes, content_type: str) -> str | None:
 
 # schemathesis's own strategies draw from `random`, which Hypothesis warns about (not our code).
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
-def test_generated_requests_never_get_a_5xx_and_errors_follow_the_contract(app: Flask) -> None:
+def test_generated_requests_never_get_a_5xx_and_errors_follow_the_contract(
+    app: Flask, edge_times: None
+) -> None:
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
     # Operations without parameters give few distinct requests: ask a little more of each.
@@ -133,6 +206,12 @@ HOSTILE: list[str | bytes] = [
     '{"op": "teleport"}',
     "[" * 3000 + "]" * 3000,
     '{"a": ' * 2000 + "1" + "}" * 2000,
+    *(  # a time UTC cannot hold, on a key column of timestamps
+        json.dumps(
+            {"op": "subscribe", "id": at, "view": "sales_by_hour", "filter": {"window_start": at}}
+        )
+        for at in ("0001-01-01T00:00:00+05:00", "9999-12-31T23:59:59-05:00")
+    ),
     b"\x00\xff\xfe binary",
     bytes(range(256)),
     "\ud800".encode("utf-8", "surrogatepass").decode("latin-1"),
@@ -164,6 +243,47 @@ def test_hostile_websocket_messages_get_errors_and_never_crash_the_connection(
         assert client.close_code is None  # still open, still useful:
         client.subscribe("ok", "books")
         client.wait_for(lambda: bool(client.of("ok", "snapshot")), "a snapshot after all that")
+    finally:
+        client.close()
+        server.shutdown()
+        close_app(app)
+
+
+class LostAnswer:
+    """A Kafka client whose `end_offsets` fails as kafka-python's does when the broker closed
+    the connection its request was on."""
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def end_offsets(self, partitions: list[Any]) -> dict[Any, int]:
+        raise KeyError(partitions[0])
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_kafka_failure_in_a_consistency_wait_is_an_error_and_the_socket_stays(
+    deployment: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = create_app(deployment)
+    port = free_port()
+    server = make_server("127.0.0.1", port, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = WsClient(f"ws://127.0.0.1:{port}/ws", token("views:read"))
+    monkeypatch.setattr("app.read_model.KafkaConsumer", LostAnswer)
+    try:
+        # Never reached, so the wait times out at once and reads the lag: from Kafka.
+        far = Position(Topics(deployment.topic_prefix).events("order"), 0, 10**9).token()
+        client.send(
+            {"op": "subscribe", "id": "w", "view": "orders", "consistent_with": far, "wait": 0}
+        )
+        client.wait_for(lambda: bool(client.of("w", "error")), "an error for the wait")
+        assert client.of("w", "error")[0]["code"] == "unavailable"
+        monkeypatch.undo()
+        client.subscribe("ok", "books")
+        client.wait_for(lambda: bool(client.of("ok", "snapshot")), "a snapshot afterwards")
+        assert client.close_code is None
     finally:
         client.close()
         server.shutdown()

@@ -16,6 +16,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import psycopg
 import pytest
 from flask.testing import FlaskClient
+from kafka import TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.types.json import Jsonb
 from werkzeug.test import TestResponse
@@ -156,6 +157,41 @@ def test_list_views_describes_every_view_with_its_lag(client: FlaskClient) -> No
     assert views["customers"]["key"] == ["customer_id"]
     assert views["sales_by_hour"]["key"] == ["book_id", "window_start"]
     assert views["orders"]["filterable"] == ["customer_id", "status"]
+
+
+class LostAnswer:
+    """A Kafka client whose `end_offsets` fails as kafka-python's does when the broker closed
+    the connection its request was on: a KeyError for a partition with no answer."""
+
+    def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        raise KeyError(partitions[0])
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_kafka_client_failure_is_tried_again_on_a_new_client(
+    client: FlaskClient, model: ReadModel
+) -> None:
+    model._ends = (0.0, {})
+    model._offsets = LostAnswer()  # type: ignore[assignment]
+    r = client.get("/views", headers=READER)
+    assert r.status_code == 200, r.json
+    assert model._offsets is not None and not isinstance(model._offsets, LostAnswer)
+
+
+def test_a_kafka_client_failure_that_persists_is_503_not_500(
+    client: FlaskClient, model: ReadModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model._ends = (0.0, {})
+    model.close_offsets()
+    monkeypatch.setattr("app.read_model.KafkaConsumer", lambda **_: LostAnswer())
+    r = client.get("/views", headers=READER)
+    error_of(r, 503, "unavailable")
+    assert r.headers["Retry-After"]
+    monkeypatch.undo()
+    model._ends = (0.0, {})
+    assert client.get("/views", headers=READER).status_code == 200
 
 
 def test_list_views_lag_shows_late_events_from_progress(
@@ -358,6 +394,46 @@ def test_pagination_over_a_composite_key(client: FlaskClient, deployment: Settin
     got = [x["window_start"] for p in pages for x in p]
     assert got == [h.replace("+00:00", "Z") for h in hours]
     assert all(x["book_id"] == book for p in pages for x in p)
+
+
+def test_pagination_and_lookup_over_a_key_holding_a_day(
+    client: FlaskClient, deployment: Settings
+) -> None:
+    """book_conversions is keyed by (book_id, day): its pages' cursors and its rows' keys hold a
+    date, which must page and look up like any other key."""
+    book = uid("b-days")
+    days = ["0001-01-01", *(f"2024-05-{d:02d}" for d in range(1, 12)), "9999-12-31"]
+    for day in reversed(days):
+        sql(
+            deployment,
+            "INSERT INTO book_conversions (book_id, day, views, converted_views) "
+            "VALUES (%s, %s, 3, 1)",
+            (book, day),
+        )
+    pages = walk(client, f"/views/book_conversions?book_id={book}", limit=4)
+    assert [x["day"] for p in pages for x in p] == days
+    for day in (days[0], days[5], days[-1]):
+        r = client.get(f"/views/book_conversions/{book},{day}", headers=READER)
+        assert r.status_code == 200, (day, r.json)
+        assert r.json == {"book_id": book, "day": day, "views": 3, "converted_views": 1}
+    error_of(
+        client.get(f"/views/book_conversions/{book},2024-06-01", headers=READER), 404, "not_found"
+    )
+    for bad in ("2024-02-30", "tomorrow", "2024-05-01T00:00:00Z"):
+        r = client.get(f"/views/book_conversions/{book},{bad}", headers=READER)
+        error_of(r, 422, "validation_failed")
+
+
+@pytest.mark.parametrize(
+    "at", ["0001-01-01T00:00:00+05:00", "9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+14:00"]
+)
+def test_a_time_utc_cannot_hold_is_422_as_a_key_and_in_a_cursor(
+    client: FlaskClient, at: str
+) -> None:
+    r = client.get(f"/views/sales_by_hour/b-1,{quote(at)}", headers=READER)
+    error_of(r, 422, "validation_failed")
+    r = client.get(f"/views/sales_by_hour?cursor={b64(['b-1', at])}", headers=READER)
+    error_of(r, 422, "validation_failed")
 
 
 @pytest.mark.parametrize(
