@@ -28,6 +28,8 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app = Flask("logfold")
     app.config.update(
         JWT_SECRET=settings.jwt_secret,
+        JWT_AUDIENCE=settings.jwt_audience,
+        JWT_MAX_TTL_S=settings.jwt_max_ttl_s,
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         RETRY_AFTER_S=settings.retry_after_s,
     )
@@ -37,20 +39,24 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.extensions["logfold.ingestion"] = overrides.get("ingestion") or Ingestion(settings)
     read_model = overrides.get("read_model") or ReadModel(settings)
     app.extensions["logfold.read_model"] = read_model
+    topics = Topics(settings.topic_prefix)
+    hub = overrides.get("hub") or Hub(
+        settings.kafka(), {t: topics.cdc(t) for t in CAPTURED}, settings.ws_replay
+    )
+    app.extensions["logfold.hub"] = hub
     app.extensions["logfold.health"] = overrides.get("health") or HealthMonitor(
-        HealthChecks(settings, read_model, timeout=settings.health_timeout_s),
+        HealthChecks(settings, read_model, timeout=settings.health_timeout_s, hub=hub),
         interval=settings.health_interval_s,
         failures=settings.health_failures,
     )
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
-    topics = Topics(settings.topic_prefix)
-    app.extensions["logfold.hub"] = overrides.get("hub") or Hub(
-        settings.kafka(), {t: topics.cdc(t) for t in CAPTURED}, settings.ws_replay
-    )
     app.config["SOCK_SERVER_OPTIONS"] = {"max_message_size": settings.ws_max_message_bytes}
     app.extensions["logfold.ws_admission"] = ws_api.Admission(
-        settings.ws_max_open, settings.ws_max_per_subject
+        settings.ws_max_open,
+        settings.ws_max_per_subject,
+        settings.ws_max_pending,
+        settings.ws_max_pending_per_address,
     )
     errors.register(app)
     app.register_blueprint(ops.bp)

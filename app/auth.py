@@ -1,5 +1,6 @@
 """Bearer tokens (JWT, HS256) with scopes: `commands:write`, `views:read`, `streams:write`,
-`admin`."""
+`admin`. Each names this API as its audience (`aud`) and lives no longer than the API accepts
+(`exp` - `iat`, LOGFOLD_JWT_MAX_TTL_S): a leaked token is good for a bounded time only."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import jwt
-from flask import current_app, g, request
+from flask import current_app, g, has_app_context, request
 
 from app.errors import ApiError
+from stack.settings import JWT_AUDIENCE, JWT_MAX_TTL_S
 
 SCOPES = ("commands:write", "views:read", "streams:write", "admin")
 ISSUER = "logfold"
@@ -49,8 +51,9 @@ def issue_token(
     secret: str,
     subject: str = "developer",
     scopes: tuple[str, ...] = SCOPES,
-    ttl_s: int = 86400,
+    ttl_s: int = JWT_MAX_TTL_S,
     rows: dict[str, str] | None = None,
+    audience: str = JWT_AUDIENCE,
 ) -> str:
     """A signed token. `rows` (column -> value) restricts every read and subscription of a
     view that has one of those columns to the rows holding those values (guarantee 18)."""
@@ -59,6 +62,7 @@ def issue_token(
         "sub": subject,
         "scope": " ".join(scopes),
         "iss": ISSUER,
+        "aud": audience,
         "iat": now,
         "exp": now + ttl_s,
     }
@@ -67,19 +71,37 @@ def issue_token(
     return jwt.encode(claims, secret, algorithm="HS256")
 
 
-def verify(token: str, secret: str) -> dict[str, Any]:
-    """The token's claims; raises ApiError(401) on anything not signed by us or expired."""
+def verify(
+    token: str, secret: str, audience: str | None = None, max_ttl_s: int | None = None
+) -> dict[str, Any]:
+    """The token's claims; raises ApiError(401) on anything not signed by us for `audience`,
+    living longer than `max_ttl_s`, or expired. Unset, those are the app's (JWT_AUDIENCE,
+    JWT_MAX_TTL_S of its config, from Settings)."""
+    audience = audience or _config("JWT_AUDIENCE", JWT_AUDIENCE)
+    max_ttl_s = max_ttl_s or _config("JWT_MAX_TTL_S", JWT_MAX_TTL_S)
     try:
-        claims = _signed_claims(token, secret)
+        claims = _signed_claims(token, secret, audience)
     except jwt.InvalidTokenError as e:
         raise ApiError(401, "unauthorized", f"invalid token: {e}") from e
+    lifetime = claims["exp"] - claims["iat"]
+    if lifetime > max_ttl_s:
+        raise ApiError(
+            401,
+            "unauthorized",
+            f"the token's lifetime is too long: {lifetime:.0f} s from `iat` to `exp`, and this "
+            f"API accepts at most {max_ttl_s} s (LOGFOLD_JWT_MAX_TTL_S); get a shorter-lived one",
+        )
     if not time.time() < claims["exp"]:
         raise ApiError(401, "unauthorized", "the token has expired; get a new one")
     return claims
 
 
+def _config(key: str, default: Any) -> Any:
+    return current_app.config.get(key, default) if has_app_context() else default
+
+
 @functools.lru_cache(maxsize=4096)
-def _signed_claims(token: str, secret: str) -> dict[str, Any]:
+def _signed_claims(token: str, secret: str, audience: str) -> dict[str, Any]:
     """The claims of a token signed with `secret` (expiry checked by the caller, per use).
     Remembered: a client sends the same token with every request, and checking its signature
     and claims each time was a sixth of a command's time in the API (docs/benchmarks.md).
@@ -89,10 +111,12 @@ def _signed_claims(token: str, secret: str) -> dict[str, Any]:
         secret,
         algorithms=["HS256"],
         issuer=ISSUER,
-        options={"require": ["sub", "exp", "scope"], "verify_exp": False},
+        audience=audience,
+        options={"require": ["sub", "exp", "iat", "aud", "scope"], "verify_exp": False},
     )
-    if not isinstance(claims["exp"], int | float) or isinstance(claims["exp"], bool):
-        raise jwt.InvalidTokenError("`exp` must be a number")
+    for claim in ("exp", "iat"):
+        if not isinstance(claims[claim], int | float) or isinstance(claims[claim], bool):
+            raise jwt.InvalidTokenError(f"`{claim}` must be a number")
     rows = claims.get("rows")
     if rows is not None and not (
         isinstance(rows, dict)

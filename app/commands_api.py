@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -20,6 +21,9 @@ from commands.schemas import CommandRequest, details
 bp = Blueprint("commands", __name__)
 
 IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1b1c2e-3d0e-4d57-9a55-4c0f1d7e2a10")
+# An X-Correlation-Id is kept in every event of the command, for ever: 1 to 128 visible ASCII
+# characters (no spaces, control or non-ASCII characters to forge log lines or break readers).
+CORRELATION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 @bp.post("/commands/<name>")
@@ -38,6 +42,19 @@ def post_command(name: str) -> Response:
             "invalid Idempotency-Key",
             [{"field": "Idempotency-Key", "problem": "must be 1 to 128 characters"}],
         )
+    correlation_id = request.headers.get("X-Correlation-Id") or str(uuid.uuid4())
+    if not CORRELATION_ID.fullmatch(correlation_id):
+        raise ApiError(
+            422,
+            "validation_failed",
+            "invalid X-Correlation-Id",
+            [
+                {
+                    "field": "X-Correlation-Id",
+                    "problem": "must be 1 to 128 visible ASCII characters (no spaces)",
+                }
+            ],
+        )
     aggregate_id = req.aggregate_id or _new_aggregate_id(spec, key)
     # Only a retry under the same key is compared with it.
     fingerprint = (
@@ -53,7 +70,7 @@ def post_command(name: str) -> Response:
         aggregate_id=aggregate_id,
         expected_version=req.expected_version,
         data=data,
-        correlation_id=request.headers.get("X-Correlation-Id") or str(uuid.uuid4()),
+        correlation_id=correlation_id,
         subject=g.subject,
         idempotency_key=(
             f"{g.subject}|{spec.aggregate.name}|{aggregate_id}|{key}" if key is not None else None
@@ -66,14 +83,20 @@ def post_command(name: str) -> Response:
         reply = bus.submit(msg)
     except Unavailable as e:
         metrics.count(name, 503)
-        raise unavailable(f"Kafka is unavailable; nothing was written ({e})") from e
+        raise unavailable(
+            "Kafka is unavailable; nothing was written. Retry after Retry-After seconds "
+            "(with the same Idempotency-Key, if it had one).",
+            e,
+        ) from e
     except ReplyTimeout as e:
         metrics.count(name, 504)
         raise ApiError(
             504,
             "timeout",
             (
-                "no outcome in time; an unprocessed command expires and is never applied later. "
+                "no outcome in time; a command not committed by its deadline expires and is "
+                "never applied later, unless its commit, asked for in time, was held up in "
+                "Kafka (an unresponsive broker may complete it when it recovers). "
                 "Retry with the same Idempotency-Key to learn the outcome safely."
             ),
         ) from e

@@ -20,6 +20,7 @@ HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "validation_failed",
+    429: "too_many_requests",
     503: "unavailable",
     504: "timeout",
 }
@@ -76,10 +77,23 @@ def json_object() -> dict[str, Any]:
     return body
 
 
-def unavailable(message: str) -> ApiError:
-    """A `503` telling the client when to try again (`Retry-After`)."""
+def unavailable(message: str, cause: BaseException | None = None) -> ApiError:
+    """A `503` telling the client when to try again (`Retry-After`). `cause`'s text, which can
+    name hosts, ports and internals, goes to the log, never to the client."""
+    if cause is not None:
+        log.warning("%s [%s: %s]", message, type(cause).__name__, cause)
     retry = str(current_app.config["RETRY_AFTER_S"])
     return ApiError(503, "unavailable", message, headers={"Retry-After": retry})
+
+
+def too_many(message: str, retry_after_s: float = 1.0) -> ApiError:
+    """A `429`: the request was fine, but this client has too many under way; try again."""
+    return ApiError(
+        429,
+        "too_many_requests",
+        message,
+        headers={"Retry-After": str(max(1, round(retry_after_s)))},
+    )
 
 
 def register(app: Flask) -> None:

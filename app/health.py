@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from kafka import KafkaConsumer, TopicPartition
@@ -21,8 +21,11 @@ from kafka.admin import KafkaAdminClient
 
 from app.read_model import ReadModel
 from cdc.capture import slot_name
-from stack.settings import Settings
+from stack.settings import Settings, kafka_fetch_bounds
 from stack.topics import Topics
+
+if TYPE_CHECKING:
+    from app.live import Hub
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +42,14 @@ class HealthChecks:
     between checks (a new client per check would cost more than the check)."""
 
     def __init__(
-        self, settings: Settings, read_model: ReadModel | None = None, timeout: float = 3.0
+        self,
+        settings: Settings,
+        read_model: ReadModel | None = None,
+        timeout: float = 3.0,
+        hub: Hub | None = None,
     ) -> None:
         self.settings, self.timeout, self.read_model = settings, timeout, read_model
+        self.hub = hub  # the websocket hub: its component `live` (its own state, no I/O)
         self.topics = Topics(settings.topic_prefix)
         self._admin_client: KafkaAdminClient | None = None
         self._consumer: KafkaConsumer | None = None
@@ -54,6 +62,9 @@ class HealthChecks:
             "command_processing": lambda: {"command_processing": self.command_processing()},
             "cdc": lambda: {"cdc": self.cdc()},
         }
+        if self.hub is not None:
+            hub = self.hub
+            checks["live"] = lambda: {"live": hub.health()}
         if self.read_model is not None:
             checks["projections"] = lambda: {
                 f"projection:{name}": status for name, status in self.projections().items()
@@ -118,10 +129,10 @@ class HealthChecks:
                 "SELECT s.active, s.wal_status, "
                 "pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint, "
                 "pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint, "
-                "s.safe_wal_size, extract(epoch FROM r.flush_lag)::float8 "
-                "FROM pg_replication_slots s "
-                "LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid "
-                "WHERE s.slot_name = %s",
+                # flush lag from pg_stat_replication, which the API's login may not read
+                # (it shows every session's details): a function of migration 0012 answers.
+                "s.safe_wal_size, logfold_slot_flush_lag(s.slot_name) "
+                "FROM pg_replication_slots s WHERE s.slot_name = %s",
                 (slot,),
             ).fetchone()
         if row is None:
@@ -158,6 +169,7 @@ class HealthChecks:
                 metrics_enabled=False,
                 request_timeout_ms=int(self.timeout * 1000),
                 client_id="logfold-health",
+                **kafka_fetch_bounds(),
             )
         ends: dict[TopicPartition, int] = self._consumer.end_offsets(tps)
         return ends
@@ -339,3 +351,13 @@ def public(components: dict[str, Status]) -> dict[str, Status]:
         name: {k: v for k, v in status.items() if k not in PRIVATE}
         for name, status in components.items()
     }
+
+
+def public_lag(lag: dict[str, Any]) -> dict[str, Any]:
+    """A fold's lag (`ReadModel.lag`) as a caller without `admin` sees it: that it failed and
+    where, how many offsets were lost, but not the failure's text nor the lost ranges (the
+    text can quote an event's data; both are in the logs and shown to `admin` callers)."""
+    shown = {k: v for k, v in lag.items() if k != "data_loss"}
+    if "failed" in shown:
+        shown["failed"] = {k: v for k, v in shown["failed"].items() if k != "error"}
+    return shown

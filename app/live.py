@@ -16,6 +16,16 @@ to the subscriptions it concerns. Every change carries its position in the WAL, 
   `resync` when its position is older than that;
 - a resent change (CDC restarted) is at or below the table's last position and is dropped.
 
+When following the changelogs fails, the hub starts again right after the last record it took
+of each changelog: nothing is skipped, however much arrived meanwhile. Where it cannot, the
+table's history has a break, and each subscription of that table gets `resync` and a new
+snapshot (and a `since` from before the break gets `resync`): records it had not read were
+removed (deleted, the topic made again, or compacted: a hole in the offsets, as CDC writes one
+offset per record), or a record cannot be decoded. Such a record is counted (`/health`'s `live`
+component, `/metrics`), logged once with its topic, partition and offset, and skipped: never
+retried, so it cannot hold the others up. The new snapshot is read after the break was seen, so
+it holds whatever the missing records changed (they were committed before they were written).
+
 Each client has a bounded outbox that the hub appends to without ever blocking; the client's own
 thread drains it into the socket. It is bounded in messages and in bytes (a change weighs its
 changelog record, a snapshot its rows). A client whose outbox passes half of either bound gets
@@ -29,14 +39,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, Position, Snapshot, from_record, widen
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +180,7 @@ class _Table:
     subscriptions: set[Subscription] = field(default_factory=set)
     newest_xid: int | None = None  # of the changes seen, widened to 64 bits as they come
     dropped_xid: int | None = None  # the newest transaction of the changes dropped from the ring
+    next_offset: int | None = None  # in its changelog, after the last record taken; None: unread
 
     def widened(self, xid: int) -> int:
         return widen(xid, self.newest_xid if self.newest_xid is not None else xid)
@@ -194,6 +206,11 @@ class Hub:
         self.ready = threading.Event()
         self.clients: set[Client] = set()
         self.delivered = 0
+        self.failures = 0  # times following the changelogs failed (it then resumed)
+        self.failing: str | None = None  # the last failure, until a poll succeeds again
+        self.undecodable = 0  # changelog records that could not be decoded (skipped)
+        self.last_undecodable: dict[str, Any] | None = None  # where the last one was
+        self.resyncs = 0  # subscriptions sent `resync` because their table's history broke
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = threading.Lock()
@@ -215,8 +232,10 @@ class Hub:
         while not self._stopping.is_set():
             try:
                 self._follow()
-            except Exception:
-                log.exception("live hub: following the changelogs failed; retrying")
+            except Exception as e:
+                self.failures += 1
+                self.failing = f"{type(e).__name__}: {e}"
+                log.exception("live hub: following the changelogs failed; resuming where it was")
                 self._stopping.wait(1.0)
 
     def _follow(self) -> None:
@@ -231,30 +250,22 @@ class Hub:
             fetch_max_wait_ms=IDLE_POLL_MS,
             max_poll_records=500,  # smaller bursts into the outboxes
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
+            **kafka_fetch_bounds(),
         )
         try:
             tps = {TopicPartition(topic, 0): table for table, topic in self.topic_of.items()}
             consumer.assign(list(tps))
             begins, ends = consumer.beginning_offsets(list(tps)), consumer.end_offsets(list(tps))
             for tp, table in tps.items():
-                start = max(begins[tp], ends[tp] - self.replay)
-                consumer.seek(tp, start)
-                with self.lock:
-                    t = self.tables[table]
-                    # Starting mid-topic: only positions from the first record on are known.
-                    if start > begins[tp] and t.served_from is None and not t.ring:
-                        t.served_from = UNKNOWN  # until the first record arrives
+                consumer.seek(tp, self._resume(table, tp, begins[tp], ends[tp]))
             pending = {tp for tp in tps if ends[tp] > consumer.position(tp)}
             if not pending:
                 self.ready.set()
             while not self._stopping.is_set():
                 batch = consumer.poll(timeout_ms=IDLE_POLL_MS)
+                self.failing = None
                 for tp, records in batch.items():
-                    table = tps[tp]
-                    changes = [
-                        from_record(table, r.key, r.value, list(r.headers or ())) for r in records
-                    ]
-                    self._apply(table, changes)
+                    self._take(tps[tp], tp, records)
                 if pending:
                     pending = {tp for tp in pending if consumer.position(tp) < ends[tp]}
                     if not pending:
@@ -263,11 +274,105 @@ class Hub:
         finally:
             consumer.close()
 
-    # -- changes ----------------------------------------------------------------------------
-
-    def _apply(self, table: str, changes: Iterable[Change]) -> None:
+    def _resume(self, table: str, tp: TopicPartition, begin: int, end: int) -> int:
+        """Where to read `table`'s changelog (its log holds offsets `begin`..`end`) from: right
+        after the last record taken; at the first start, its last `replay` records. When records
+        after the last one taken are gone, the table's history breaks and what is left of the
+        log is read from its start."""
         with self.lock:
             t = self.tables[table]
+            done = t.next_offset
+            if done is not None and begin <= done <= end:
+                return done
+            if done is None:
+                start = max(begin, end - self.replay)
+                # Starting mid-topic: only positions from the first record on are known.
+                if start > begin and t.served_from is None and not t.ring:
+                    t.served_from = UNKNOWN  # until the first record arrives
+            else:
+                start = begin
+                self._break(t, f"{tp.topic}:{tp.partition} offsets from {done} on are gone")
+            t.next_offset = start
+            return start
+
+    # -- changes ----------------------------------------------------------------------------
+
+    def _take(self, table: str, tp: TopicPartition, records: Sequence[Any]) -> None:
+        """Apply the next `records` (Kafka's) of `table`'s changelog, in order. A hole in the
+        offsets before a record (records removed before the hub read them), or a record that
+        cannot be decoded, breaks the table's history; an undecodable one is reported, skipped."""
+        t = self.tables[table]
+        run: list[Change] = []
+        expected = t.next_offset  # only this thread moves it
+        for r in records:
+            if expected is not None and r.offset > expected:
+                self._apply(table, run, expected)
+                run = []
+                with self.lock:
+                    self._break(
+                        t,
+                        f"{tp.topic}:{tp.partition} offsets {expected}..{r.offset - 1} were "
+                        "removed before the hub read them",
+                    )
+            expected = r.offset + 1
+            try:
+                change = _decode(table, r)
+            except Exception as e:  # whatever the record holds: reported and skipped
+                self._apply(table, run, r.offset)
+                run = []
+                self._undecodable(t, tp, r, e)
+                continue
+            run.append(change)
+        self._apply(table, run, expected)
+
+    def _undecodable(self, t: _Table, tp: TopicPartition, record: Any, error: Exception) -> None:
+        """Count, log once and skip a record that cannot be decoded; its table's history breaks
+        (what it changed is unknown). Its transaction, when its header says, counts as dropped
+        from the history, as a snapshot that does not see it cannot be served."""
+        where = {"topic": tp.topic, "partition": tp.partition, "offset": record.offset}
+        log.error(
+            "live hub: cannot decode the changelog record at %s:%d offset %d (%s: %s); skipped",
+            tp.topic,
+            tp.partition,
+            record.offset,
+            type(error).__name__,
+            error,
+        )
+        with self.lock:
+            self.undecodable += 1
+            self.last_undecodable = {**where, "at": datetime.now(UTC).isoformat()}
+            t.next_offset = record.offset + 1
+            xid = _xid_of(record)
+            if xid is not None:
+                x = t.widened(xid)
+                t.dropped_xid = x if t.dropped_xid is None else max(t.dropped_xid, x)
+            self._break(t, f"{tp.topic}:{tp.partition} offset {record.offset} is undecodable")
+
+    def _break(self, t: _Table, why: str) -> None:
+        """`t`'s history misses changes (`why`): its subscriptions resync (a new snapshot),
+        and a `since` from before the next change cannot be served. Holds the lock."""
+        t.served_from = UNKNOWN  # until the next change
+        if t.subscriptions:
+            log.warning("live hub: %s; %d subscriptions resync", why, len(t.subscriptions))
+        else:
+            log.info("live hub: %s; its history starts after them", why)
+        self.resyncs += len(t.subscriptions)
+        self._resync(t, list(t.subscriptions))
+
+    def _resync(self, t: _Table, subs: Iterable[Subscription]) -> None:
+        """`subs` leave the stream, get a `resync`, and their connection takes a new
+        snapshot. Holds the lock."""
+        for sub in subs:
+            t.subscriptions.discard(sub)
+            sub.client.offer({"type": "resync", "id": sub.id}, sub.id)
+            sub.client.offer({"type": "_resubscribe", "id": sub.id}, sub.id)
+
+    def _apply(self, table: str, changes: Iterable[Change], next_offset: int | None = None) -> None:
+        """Apply `changes` of `table`; `next_offset`: where its changelog goes on after them."""
+        with self.lock:
+            t = self.tables[table]
+            if next_offset is not None:
+                t.next_offset = next_offset
             for change in changes:
                 if change.position <= t.last:
                     continue  # resent by a restarted CDC process
@@ -279,7 +384,8 @@ class Hub:
                 t.ring.append(change)
                 if len(t.ring) > self.replay:
                     dropped = t.ring.popleft()
-                    t.served_from = dropped.position
+                    if t.served_from is None or t.served_from < dropped.position:
+                        t.served_from = dropped.position  # (not back before a break)
                     if dropped.xid is not None:
                         x = t.widened(dropped.xid)
                         t.dropped_xid = x if t.dropped_xid is None else max(t.dropped_xid, x)
@@ -300,16 +406,17 @@ class Hub:
         the stream, get a `resync`, and their connection takes a new snapshot."""
         if change.row is None:
             return
-        name, generation = str(change.row["projection"]), int(change.row["generation"])
+        try:
+            name, generation = str(change.row["projection"]), int(change.row["generation"])
+        except (KeyError, TypeError, ValueError):
+            log.error("live hub: a projection_progress row without its generation at %s", change)
+            return
         seen = self.generations.get(name)
         self.generations[name] = generation
         if seen is None or generation == seen:
             return
         for t in self.tables.values():
-            for sub in [s for s in t.subscriptions if s.projection == name]:
-                t.subscriptions.discard(sub)
-                sub.client.offer({"type": "resync", "id": sub.id}, sub.id)
-                sub.client.offer({"type": "_resubscribe", "id": sub.id}, sub.id)
+            self._resync(t, [s for s in t.subscriptions if s.projection == name])
 
     # -- subscriptions ----------------------------------------------------------------------
 
@@ -375,6 +482,25 @@ class Hub:
             if abort is not None:
                 abort()
 
+    def health(self) -> dict[str, Any]:
+        """The hub as `/health` shows it (component `live`): down while following the
+        changelogs fails (it then resumes where it was); the records it could not decode (each
+        skipped, its table's subscribers resynced), the last one's place; the resyncs."""
+        with self.lock:
+            status: dict[str, Any] = {
+                "status": "down" if self.failing else "up",
+                "started": self._thread is not None,
+                "ready": self.ready.is_set(),
+                "failures": self.failures,
+                "undecodable_records": self.undecodable,
+                "resyncs": self.resyncs,
+            }
+            if self.last_undecodable is not None:
+                status["last_undecodable"] = dict(self.last_undecodable)
+            if self.failing:
+                status["error"] = self.failing
+        return status
+
     def stats(self) -> dict[str, int]:
         with self.lock:
             return {
@@ -383,3 +509,23 @@ class Hub:
                 "delivered": self.delivered,
                 "outbox_peak": max((c.peak for c in self.clients), default=0),
             }
+
+
+def _decode(table: str, record: Any) -> Change:
+    """The change a changelog record (Kafka's) carries; raises on anything else."""
+    change = from_record(table, record.key, record.value, list(record.headers or ()))
+    rows = (change.row, change.before)
+    if not isinstance(change.key, dict) or not all(r is None or isinstance(r, dict) for r in rows):
+        raise ValueError("the key, row and before-image must be JSON objects")
+    return change
+
+
+def _xid_of(record: Any) -> int | None:
+    """The transaction id a record's `xid` header names, if it can be read."""
+    for name, value in record.headers or ():
+        if name == "xid":
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None

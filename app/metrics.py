@@ -63,6 +63,14 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.undecodable = Gauge(
+            "logfold_undecodable_records",
+            "Changelog records the websocket hub could not decode: each skipped, its table's "
+            "subscribers resynced (see /health for the last one's place)",
+            ["component"],
+            registry=self.registry,
+        )
+
         self.failed = Gauge(
             "logfold_component_failed",
             "1 while the projection or join is stopped by an error (see /health for it)",
@@ -83,6 +91,8 @@ class Metrics:
                 self.late_events.labels(name).set(status["late_events"])
             if "lost_offsets" in status:
                 self.lost.labels(name).set(status["lost_offsets"])
+            if "undecodable_records" in status:
+                self.undecodable.labels(name).set(status["undecodable_records"])
             for label, rows in status.get("counted", {}).items():
                 self.counted.labels(name, label).set(rows)
 

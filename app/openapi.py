@@ -23,6 +23,7 @@ ERRORS = {
     "413": "payload_too_large",
     "415": "unsupported_media_type",
     "422": "validation_failed or idempotency_key_reused",
+    "429": "too_many_requests (see Retry-After)",
     "503": "unavailable (see Retry-After)",
     "504": "timeout",
 }
@@ -259,7 +260,7 @@ def stream_paths(errors: dict[str, Any]) -> dict[str, Any]:
 def view_paths(errors: dict[str, Any]) -> dict[str, Any]:
     """`GET /views`, and for every view its rows (filters, paging, read-your-writes) and one row
     by key. A token's row claim narrows every one of them (API.md, Auth)."""
-    failures = _pick(errors, "401", "403", "404", "422", "503", "504")
+    failures = _pick(errors, "401", "403", "404", "422", "429", "503", "504")
     paths: dict[str, Any] = {
         "/views": {
             "get": {

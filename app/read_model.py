@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, date, datetime
 from typing import Any
 
@@ -25,7 +26,7 @@ from projections.progress import table as progress_table
 from projections.registry import FOLDS, writers
 from projections.wire import wire_row, wire_value
 from stack.migrate import sqlalchemy_url
-from stack.settings import Settings
+from stack.settings import Settings, kafka_fetch_bounds
 from stack.topics import Topics, partition_of
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,103 @@ class BadValue(ValueError):
     """A filter, key or cursor value that does not fit its column."""
 
 
+class BeyondTheLog(ValueError):
+    """A position no command was given: past its partition's end offset, or of a partition the
+    topic does not have. Waiting for it could only time out."""
+
+
+class TooManyWaiters(Exception):
+    """The process, or the token's subject, has as many reads waiting as it may."""
+
+
+class Waiters:
+    """Reads and subscriptions waiting for a position at once: each holds a server thread
+    (and, while it polls, a database connection now and then), so at most `max_all` per
+    process and `max_per_subject` per token subject."""
+
+    def __init__(self, max_all: int, max_per_subject: int) -> None:
+        self.max_all, self.max_per_subject = max_all, max_per_subject
+        self.subjects: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def held(self, subject: str) -> Iterator[None]:
+        with self._lock:
+            if sum(self.subjects.values()) >= self.max_all:
+                raise TooManyWaiters(f"this API process has {self.max_all} reads waiting")
+            if self.subjects.get(subject, 0) >= self.max_per_subject:
+                raise TooManyWaiters(
+                    f"this token's subject has {self.max_per_subject} reads waiting"
+                )
+            self.subjects[subject] = self.subjects.get(subject, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self.subjects[subject] - 1
+                if left:
+                    self.subjects[subject] = left
+                else:
+                    del self.subjects[subject]
+
+
+class SlotWatch:
+    """The CDC slot's confirmed WAL position, looked at by one thread of its own every 50 ms
+    while anyone waits for it, and told to every waiter at once: however many reads of joined
+    views wait, Postgres is asked 20 times a second at most."""
+
+    def __init__(self, look: Callable[[], str | None]) -> None:
+        self._look = look  # the slot's confirmed_flush_lsn, as text
+        self._waiting = 0
+        self._confirmed: int | None = None
+        self._failure: BaseException | None = None
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def wait(self, wal: str, deadline: float) -> bool:
+        """Whether the slot confirmed `wal` before `deadline` (time.monotonic)."""
+        target = _lsn(wal)
+        with self._changed:
+            self._waiting += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="slot-watch", daemon=True)
+                self._thread.start()
+            try:
+                while True:
+                    if self._failure is not None:
+                        failure, self._failure = self._failure, None
+                        raise failure
+                    if self._confirmed is not None and self._confirmed >= target:
+                        return True
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._changed.wait(left)
+            finally:
+                self._waiting -= 1
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if not self._waiting:
+                    self._thread = None
+                    return
+            try:
+                found = self._look()
+                confirmed, failure = (None if found is None else _lsn(found)), None
+            except Exception as e:  # the waiters answer 503 from it
+                confirmed, failure = None, e
+            with self._changed:
+                self._confirmed, self._failure = confirmed, failure
+                self._changed.notify_all()
+            time.sleep(POLL_S)
+
+
+def _lsn(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) + int(low, 16)
+
+
 BIGINT = 2**63  # Postgres' integers are at most 64 bits
 
 
@@ -184,6 +282,8 @@ class ReadModel:
         self._lock = threading.Lock()
         self._offsets: KafkaConsumer | None = None  # kept: a new client per call was costly
         self.signal = ProgressSignal(settings.api_database())
+        self.waiters = Waiters(settings.max_waiters, settings.max_waiters_per_subject)
+        self.slot = SlotWatch(self._slot_confirmed)
 
     def rows(
         self, output: View, filters: dict[str, str], limit: int, cursor: str | None
@@ -267,9 +367,32 @@ class ReadModel:
         key = f"{position.topic}:{position.partition}"
         return key in fold.reads(self.topics, self.settings.partitions)
 
-    def wait_for(self, fold: Fold, position: Position, timeout: float) -> bool:
-        """Wait until the view includes the event at `position`; False after `timeout` s."""
-        return self._wait(fold, position, time.monotonic() + timeout)
+    def wait_for(self, fold: Fold, position: Position, timeout: float, subject: str = "-") -> bool:
+        """Wait until the view includes the event at `position`; False after `timeout` s.
+        Raises BeyondTheLog at once for a position past the log's end, TooManyWaiters when
+        `subject` (or the process) has as many waits under way as it may."""
+        self.check(position)
+        with self.waiters.held(subject):
+            return self._wait(fold, position, time.monotonic() + timeout)
+
+    def check(self, position: Position) -> None:
+        """BeyondTheLog unless `position` is in its partition's log (for a topic a fold reads;
+        any other the read side has nothing to wait for)."""
+        key = f"{position.topic}:{position.partition}"
+        ends = self.end_offsets()
+        if key not in ends:
+            if any(k.rsplit(":", 1)[0] == position.topic for k in ends):
+                raise BeyondTheLog(f"{position.topic} has no partition {position.partition}")
+            return
+        if position.offset < ends[key]:
+            return
+        with self._lock:  # the cached end may be a second old: ask again before refusing
+            end = self._end_offsets([partition_of(key)])[key]
+        if position.offset >= end:
+            raise BeyondTheLog(
+                f"the position is beyond the end of the log ({key} ends at offset {end}): "
+                "no command was given it; use the `position` of a command's response"
+            )
 
     def _wait(self, fold: Fold, position: Position, deadline: float) -> bool:
         """A fold that reads the event's partition includes it once its progress passed it. A
@@ -286,7 +409,7 @@ class ReadModel:
             return False
         with self.engine.connect() as conn:
             wal = conn.execute(sa.text("SELECT pg_current_wal_lsn()")).scalar_one()
-        if not _poll(lambda: self._cdc_confirmed(wal), deadline):
+        if not self.slot.wait(wal, deadline):
             return False
         reads = fold.reads(self.topics, self.settings.partitions)
         with self._lock:
@@ -302,16 +425,17 @@ class ReadModel:
         """Whether the event at `position` can change what `fold` writes."""
         return self.reads(fold, position) or any(self._depends(w, position) for w in writers(fold))
 
-    def _cdc_confirmed(self, wal: str) -> bool:
+    def _slot_confirmed(self) -> str | None:
+        """The CDC slot's confirmed WAL position (None while there is no slot)."""
         with self.engine.connect() as conn:
             found = conn.execute(
                 sa.text(
-                    "SELECT confirmed_flush_lsn >= CAST(:wal AS pg_lsn) FROM pg_replication_slots "
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
                     "WHERE slot_name = :slot"
                 ),
-                {"wal": wal, "slot": slot_name(self.settings)},
+                {"slot": slot_name(self.settings)},
             ).scalar()
-        return bool(found)
+        return None if found is None else str(found)
 
     def end_offsets(self) -> dict[str, int]:
         """End offsets of every partition a fold reads, cached for a second."""
@@ -339,6 +463,7 @@ class ReadModel:
                     metrics_enabled=False,
                     isolation_level="read_committed",
                     request_timeout_ms=3000,
+                    **kafka_fetch_bounds(),
                 )
             try:
                 found = self._offsets.end_offsets(partitions)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -23,6 +24,7 @@ from streams.ingest import FactRecord, Ingestion, Unavailable, Unknown
 from streams.registry import STREAMS, Stream
 
 bp = Blueprint("streams", __name__)
+log = logging.getLogger(__name__)
 
 MAX_RECORDS = 1000
 MAX_BYTES = 1024 * 1024
@@ -76,15 +78,17 @@ def post_records(name: str) -> Response:
         ingestion.append(stream, records)
     except Unavailable as e:
         raise unavailable(
-            f"Kafka is unavailable; the records were not accepted ({e}). Retry the same "
-            "request: a record's id makes a retry harmless."
+            "Kafka is unavailable; the records were not accepted. Retry the same request "
+            "after Retry-After seconds: a record's id makes a retry harmless.",
+            e,
         ) from e
     except Unknown as e:
+        log.warning("stream %s: a commit not acknowledged in time [%s]", name, e)
         raise ApiError(
             504,
             "timeout",
-            f"Kafka did not acknowledge the commit in time; the records may or may not be "
-            f"accepted ({e}). Retry the same request: a record's id makes a retry harmless.",
+            "Kafka did not acknowledge the commit in time; the records may or may not be "
+            "accepted. Retry the same request: a record's id makes a retry harmless.",
         ) from e
     response = jsonify({"accepted": len(records)})
     response.status_code = 202

@@ -9,9 +9,10 @@ from kafka.errors import KafkaError
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app.auth import narrowed, require, row_scope
-from app.errors import ApiError, unavailable
-from app.read_model import BadValue, ReadModel
+from app.auth import has_scope, narrowed, require, row_scope
+from app.errors import ApiError, too_many, unavailable
+from app.health import public_lag
+from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
 from commands.messages import Position
 from projections.base import Fold, View
 from projections.registry import VIEWS
@@ -56,6 +57,12 @@ def _number(name: str, default: float, low: float, high: float) -> float:
     return value
 
 
+def _lag() -> dict[str, dict[str, Any]]:
+    """Each fold's lag: failure texts and data-loss details for `admin` callers only."""
+    lag = _model().lag()
+    return lag if has_scope("admin") else {name: public_lag(f) for name, f in lag.items()}
+
+
 def _consistent(projection: Fold) -> None:
     """Wait until the view includes `consistent_with` (query or X-Consistent-With), or 504."""
     token = request.args.get("consistent_with") or request.headers.get("X-Consistent-With")
@@ -71,8 +78,19 @@ def _consistent(projection: Fold) -> None:
             [{"field": "consistent_with", "problem": "not a position token"}],
         ) from e
     wait = _number("wait", 5.0, 0.0, MAX_WAIT_S)
-    if not _model().wait_for(projection, position, wait):
-        lag = _model().lag().get(projection.name, {})
+    try:
+        reached = _model().wait_for(projection, position, wait, g.subject)
+    except BeyondTheLog as e:
+        raise ApiError(
+            422,
+            "validation_failed",
+            str(e),
+            [{"field": "consistent_with", "problem": "beyond the end of the log"}],
+        ) from e
+    except TooManyWaiters as e:
+        raise too_many(f"{e}; try again when one has answered") from e
+    if not reached:
+        lag = _lag().get(projection.name, {})
         raise ApiError(
             504, "timeout", f"the view did not reach the position within {wait:g}s", [{"lag": lag}]
         )
@@ -87,7 +105,7 @@ def _unavailable(fn: Any) -> Any:
             return fn(*args, **kwargs)
         except (OperationalError, PoolTimeout, KafkaError) as e:
             which = "Kafka" if isinstance(e, KafkaError) else "Postgres"
-            raise unavailable(f"{which} is unavailable; try again") from e
+            raise unavailable(f"{which} is unavailable; try again", e) from e
 
     wrapper.__name__ = fn.__name__
     return wrapper
@@ -97,7 +115,7 @@ def _unavailable(fn: Any) -> Any:
 @require("views:read")
 @_unavailable
 def list_views() -> Response:
-    lag = _model().lag()
+    lag = _lag()
     return jsonify(
         {
             "views": [

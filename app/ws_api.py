@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from flask import Blueprint, current_app, g, request
@@ -23,9 +24,10 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app.auth import narrowed, row_scope, scopes, verify
-from app.errors import ApiError, unavailable
+from app.errors import ApiError, too_many, unavailable
+from app.health import public_lag
 from app.live import Client, Hub, Subscription, Unservable
-from app.read_model import BadValue, ReadModel
+from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
 from cdc.changes import Position, Snapshot
 from commands.messages import Position as CommandPosition
 from commands.schemas import details
@@ -39,6 +41,7 @@ bp = Blueprint("live", __name__)
 sock = Sock()
 
 UNAUTHORIZED, FORBIDDEN, TOO_MANY_FOR_SUBJECT = 4401, 4403, 4429
+TRY_AGAIN_LATER = 1013  # RFC 6455's registry: the server is overloaded
 HUB_WAIT_S = 15.0
 DEFAULT_WAIT_S, MAX_WAIT_S = 5.0, 30.0  # as REST's ?wait=
 
@@ -69,16 +72,37 @@ class Problem(Exception):
         self.code, self.message, self.sub_id, self.details = code, message, sub_id, details
 
 
-class Admission:
-    """How many websockets this API process holds, in all and per token subject. Each holds a
-    server thread for its whole life, so they may take at most `max_open` of them: the rest
-    (`LOGFOLD_API_RESERVED_THREADS`) always serve REST. A socket counts from its handshake,
-    authenticated or not (the unauthenticated ones have a short deadline)."""
+@dataclass
+class Ticket:
+    """Which of `Admission`'s pools a socket holds a place in: `pending` while it waits for
+    its `auth` message, `open` once authenticated."""
 
-    def __init__(self, max_open: int, max_per_subject: int) -> None:
+    pool: str
+    address: str
+
+
+class Admission:
+    """How many websockets this API process holds. Each holds a server thread for its whole
+    life, so together they take at most the threads not reserved for REST.
+
+    A socket whose handshake carried a valid token is admitted at once, into `max_open`
+    places, at most `max_per_subject` per token subject. One without (it will send an `auth`
+    message, or nothing) waits in a small pool of its own, `max_pending` places, at most
+    `max_pending_per_address` per client address, for `ws_auth_timeout_s` at most: a flood of
+    sockets that never authenticate fills that pool, never the admitted one."""
+
+    def __init__(
+        self,
+        max_open: int,
+        max_per_subject: int,
+        max_pending: int = 32,
+        max_pending_per_address: int = 8,
+    ) -> None:
         self.max_open, self.max_per_subject = max_open, max_per_subject
+        self.max_pending, self.max_pending_per_address = max_pending, max_pending_per_address
         self.open = 0
         self.subjects: dict[str, int] = {}
+        self.pending: dict[str, int] = {}  # per client address
         self._lock = threading.Lock()
 
     def enter(self) -> bool:
@@ -92,6 +116,37 @@ class Admission:
         with self._lock:
             self.open -= 1
 
+    def enter_pending(self, address: str) -> str | None:
+        """A place to wait for the `auth` message, or why not: `full` or `address`."""
+        with self._lock:
+            if sum(self.pending.values()) >= self.max_pending:
+                return "full"
+            if self.pending.get(address, 0) >= self.max_pending_per_address:
+                return "address"
+            self.pending[address] = self.pending.get(address, 0) + 1
+            return None
+
+    def leave_pending(self, address: str) -> None:
+        with self._lock:
+            _drop(self.pending, address)
+
+    def promote(self, ticket: Ticket) -> bool:
+        """Move an authenticated socket from the pending pool to the admitted one."""
+        with self._lock:
+            if ticket.pool != "pending" or self.open >= self.max_open:
+                return False
+            _drop(self.pending, ticket.address)
+            self.open += 1
+            ticket.pool = "open"
+            return True
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.pool == "open":
+            self.leave()
+        elif ticket.pool == "pending":
+            self.leave_pending(ticket.address)
+        ticket.pool = "none"
+
     def enter_subject(self, subject: str) -> bool:
         with self._lock:
             if self.subjects.get(subject, 0) >= self.max_per_subject:
@@ -101,27 +156,54 @@ class Admission:
 
     def leave_subject(self, subject: str) -> None:
         with self._lock:
-            left = self.subjects.get(subject, 1) - 1
-            if left:
-                self.subjects[subject] = left
-            else:
-                self.subjects.pop(subject, None)
+            _drop(self.subjects, subject)
+
+
+def _drop(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 1) - 1
+    if left:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 @bp.before_request
 def admit() -> None:
-    """Past the process's websocket limit: a plain `503` with Retry-After, before any handshake
-    (the client tries again later, or another API process)."""
+    """Before any handshake: a socket with a valid `?token=` takes an admitted place (`503`
+    with Retry-After when the process holds all it may: the client tries again later, or
+    another API process); any other waits for its `auth` message in the pending pool (`503`
+    when it is full, `429` when its address holds its share of it)."""
     admission: Admission = current_app.extensions["logfold.ws_admission"]
-    if not admission.enter():
-        raise unavailable("this API process holds as many websockets as it may; try again later")
-    g.ws_admitted = True
+    address = request.remote_addr or "-"
+    claims = None
+    if token := request.args.get("token"):
+        with contextlib.suppress(ApiError):  # refused after the handshake, with its reason
+            claims = verify(token, current_app.config["JWT_SECRET"])
+    if claims is not None:
+        if not admission.enter():
+            raise unavailable("this API process holds as many websockets as it may; try again")
+        g.ws_ticket, g.ws_claims = Ticket("open", address), claims
+        return
+    refused = admission.enter_pending(address)
+    if refused == "full":
+        raise unavailable(
+            "too many websockets are waiting to authenticate; try again later, or send the "
+            "token in the handshake (?token=)"
+        )
+    if refused == "address":
+        raise too_many(
+            f"at most {admission.max_pending_per_address} websockets per client address may "
+            "wait to authenticate; send the token in the handshake (?token=), or wait",
+            current_app.extensions["logfold.settings"].ws_auth_timeout_s,
+        )
+    g.ws_ticket = Ticket("pending", address)
 
 
 @bp.teardown_request
 def leave(_: BaseException | None) -> None:
-    if g.pop("ws_admitted", False):
-        current_app.extensions["logfold.ws_admission"].leave()
+    ticket = g.pop("ws_ticket", None)
+    if ticket is not None:
+        current_app.extensions["logfold.ws_admission"].release(ticket)
 
 
 @sock.route("/ws", bp=bp)  # type: ignore[untyped-decorator]
@@ -135,7 +217,8 @@ def websocket(ws: Any) -> None:
             app.extensions["logfold.read_model"],
             app.config["JWT_SECRET"],
             app.extensions["logfold.ws_admission"],
-        ).serve(request.args.get("token"))
+            g.ws_ticket,
+        ).serve(request.args.get("token"), g.get("ws_claims"))
     finally:
         release(ws)
 
@@ -166,27 +249,39 @@ class Connection:
         model: ReadModel,
         secret: str,
         admission: Admission,
+        ticket: Ticket,
     ) -> None:
         self.ws, self.settings, self.hub, self.model, self.secret = ws, settings, hub, model, secret
-        self.admission = admission
+        self.admission, self.ticket = admission, ticket
+        self.subscribes = TokenBucket(settings.ws_subscribe_burst, settings.ws_subscribes_per_s)
         self.client = Client(settings.ws_buffer, settings.ws_buffer_bytes)
         self.client.abort = self._abort  # type: ignore[attr-defined]
         self._send_lock = threading.Lock()
         self.subject: str | None = None
+        self.scopes: set[str] = set()
         self.rows: dict[str, str] = {}  # the token's row claim (guarantee 18)
         self.expires_at = float("inf")  # the token's `exp`: the connection closes then (4401)
 
     # -- the connection's life --------------------------------------------------------------
 
-    def serve(self, token: str | None) -> None:
+    def serve(self, token: str | None, claims: dict[str, Any] | None = None) -> None:
+        """`claims`: the handshake's token, verified at admission (the socket holds an admitted
+        place); without them it holds a pending one until its `auth` message is verified."""
         self.hub.start()
         with contextlib.suppress(AttributeError, OSError):
             self.ws.sock.setsockopt(
                 socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.ws_socket_buffer_bytes
             )
-        if not self._authenticate(token):
+        if not self._authenticate(token, claims):
             return
         assert self.subject is not None
+        if self.ticket.pool == "pending" and not self.admission.promote(self.ticket):
+            self._refuse(
+                TRY_AGAIN_LATER,
+                "unavailable",
+                "this API process holds as many websockets as it may; try again later",
+            )
+            return
         if not self.admission.enter_subject(self.subject):
             self._refuse(
                 TOO_MANY_FOR_SUBJECT,
@@ -217,8 +312,11 @@ class Connection:
             self.hub.detach(self.client)
             sender.join(timeout=15)
 
-    def _authenticate(self, token: str | None) -> bool:
-        """`?token=` or a first `{"op": "auth", "token": …}` message; needs `views:read`."""
+    def _authenticate(self, token: str | None, claims: dict[str, Any] | None = None) -> bool:
+        """`?token=` (`claims`, when it was verified at admission) or a first `{"op": "auth",
+        "token": …}` message; needs `views:read`."""
+        if claims is not None:
+            return self._accept(claims)
         if token is None:
             try:
                 raw = self.ws.receive(timeout=self.settings.ws_auth_timeout_s)
@@ -236,9 +334,13 @@ class Connection:
             claims = verify(token, self.secret)
         except ApiError as e:
             return self._refuse(UNAUTHORIZED, "unauthorized", e.message)
+        return self._accept(claims)
+
+    def _accept(self, claims: dict[str, Any]) -> bool:
         if "views:read" not in scopes(claims):
             return self._refuse(FORBIDDEN, "forbidden", "subscribing needs the 'views:read' scope")
         self.subject, self.expires_at = str(claims["sub"]), float(claims["exp"])
+        self.scopes = scopes(claims)
         self.rows = claims.get("rows") or {}
         return True
 
@@ -333,6 +435,16 @@ class Connection:
             )
 
     def _subscribe(self, m: Subscribe) -> None:
+        wait = self.subscribes.take()
+        if wait:
+            raise Problem(
+                "too_many_requests",
+                f"at most {self.settings.ws_subscribes_per_s:g} subscribes a second per "
+                f"connection (after a burst of {self.settings.ws_subscribe_burst}); "
+                f"try again in {wait:.1f} s",
+                m.id,
+                retry_after=round(wait, 3),
+            )
         found = VIEWS.get(m.view)
         if found is None:
             raise Problem("not_found", f"unknown view {m.view!r}; GET /views lists them", m.id)
@@ -388,11 +500,17 @@ class Connection:
         except ValueError as e:
             raise Problem("validation_failed", f"consistent_with: {e}", m.id) from e
         try:
-            if self.model.wait_for(fold, written, m.wait):
+            if self.model.wait_for(fold, written, m.wait, self.subject or "-"):
                 return
             lag = self.model.lag().get(fold.name, {})
+            if "admin" not in self.scopes:  # failure texts and lost ranges: admin only
+                lag = public_lag(lag)
         except (OperationalError, PoolTimeout) as e:
             raise Problem("unavailable", "the database is unavailable; retry", m.id) from e
+        except BeyondTheLog as e:
+            raise Problem("validation_failed", f"consistent_with: {e}", m.id) from e
+        except TooManyWaiters as e:
+            raise Problem("too_many_requests", f"{e}; try again when one has answered", m.id) from e
         except KafkaError as e:  # the log's end offsets, for a view fed by changelogs
             log.warning("consistent_with on %s: Kafka did not answer (%s)", m.view, e)
             raise Problem("unavailable", "Kafka is unavailable; retry", m.id) from e
@@ -460,6 +578,24 @@ class Connection:
             raise Problem("not_found", f"no subscription {m.id!r}", m.id)
         self.hub.unsubscribe(sub)
         self.client.offer({"type": "unsubscribed", "id": m.id})
+
+
+class TokenBucket:
+    """`burst` at once, then `rate` a second."""
+
+    def __init__(self, burst: int, rate: float) -> None:
+        self.burst, self.rate = burst, rate
+        self.tokens, self.at = float(burst), time.monotonic()
+
+    def take(self) -> float:
+        """0 when one is taken; else the seconds until one will be there (none is taken)."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
 
 
 def _parse(model: type[BaseModel], message: dict[str, Any]) -> Any:

@@ -53,7 +53,7 @@ from bench.procstat import CpuMeter, rss_mib, threads, tree
 from bench.read_side import Stack, trivial_query
 from bench.wsfleet import Fleet
 from stack.procs import wait_until
-from stack.settings import Settings
+from stack.settings import Settings, kafka_fetch_bounds
 from stack.topics import Topics
 from tests.support import HttpApi, Processes, token
 
@@ -91,6 +91,7 @@ class Tap:
             enable_auto_commit=False,
             group_id=None,
             fetch_max_wait_ms=200,  # as the websocket hub's consumer
+            **kafka_fetch_bounds(),
         )
         tp = TopicPartition(Topics(settings.topic_prefix).cdc(table), 0)
         self.consumer.assign([tp])

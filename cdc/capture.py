@@ -41,10 +41,12 @@ FLUSH_RECORDS = 2000  # or this many records, whichever comes first
 
 
 def slot_name(settings: Settings) -> str:
-    """`LOGFOLD_CDC_SLOT`, or one per database (slot names are global to the server)."""
+    """`LOGFOLD_CDC_SLOT`, or one per database (slot names are global to the server). The
+    database is named by either login: the API may be given only its own."""
     if settings.cdc_slot:
         return settings.cdc_slot
-    database = urlparse(settings.database()).path.lstrip("/") or "postgres"
+    url = settings.database_url or settings.api_database()
+    database = urlparse(url).path.lstrip("/") or "postgres"
     return ("logfold_cdc_" + re.sub(r"[^a-z0-9_]", "_", database.lower()))[:63]
 
 

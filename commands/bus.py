@@ -26,7 +26,8 @@ class Unavailable(Exception):
 
 
 class ReplyTimeout(Exception):
-    """No reply in time; the command expires unprocessed if no processor picked it up."""
+    """No reply in time: the command was not committed by its deadline, and never will be,
+    unless Kafka took its commit request but did not acknowledge it (see `_past_deadline`)."""
 
 
 class CommandBus:
@@ -101,8 +102,13 @@ class CommandBus:
                 self._waiting.pop(msg.command_id, None)
 
     def _past_deadline(self, msg: CommandMessage) -> float:
-        """Seconds until an outcome decided just before the deadline has surely arrived."""
-        return max(msg.deadline + self.settings.clock_skew_s + 1.0 - time.time(), 0.1)
+        """Seconds until the outcome of a commit asked for just before the deadline has surely
+        arrived: a processor asks for none after it (on its clock, within the skew of ours),
+        and waits `kafka_timeout_s` at most for Kafka to acknowledge one; then 1 s to read the
+        reply. Past that, only a broker that took the commit request without acknowledging
+        it can still apply the command."""
+        s = self.settings
+        return max(msg.deadline + s.clock_skew_s + s.kafka_timeout_s + 1.0 - time.time(), 0.1)
 
     def _read_replies(self) -> None:
         while not self._stopping.is_set():

@@ -20,7 +20,7 @@ class CommandMessage:
     expected_version: int | None
     data: dict[str, Any]
     reply_to: str
-    deadline: float  # epoch seconds; a processor refuses the command after it
+    deadline: float  # epoch seconds; a processor neither decides nor commits it after that
     correlation_id: str
     subject: str
     idempotency_key: str | None = None

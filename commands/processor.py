@@ -34,8 +34,8 @@ from commands.messages import CommandMessage, Position, Reply
 from commands.registry import AGGREGATES
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
-from events.store import committed_reader, drain
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings
+from events.store import commit_within, committed_reader, drain
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
 from stack.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,12 @@ Decided = tuple[CommandMessage, Outcome]
 
 class OffsetsMoved(Exception):
     """An event did not get the offset its reply announced: the transaction must not commit."""
+
+
+class Expired(Exception):
+    """A command's deadline passed before its transaction could commit: the API may already
+    have answered 504, so the transaction must not commit. Started over from Kafka, the command
+    is decided again, and refused as expired."""
 
 
 class SnapshotReplica:
@@ -224,7 +230,12 @@ class PartitionOwner:
                         "another producer writes there; starting over from Kafka"
                     )
                 touched.add(got.topic)
-            self.producer.commit_transaction()
+            # Checked last, so a commit is never asked for after a deadline (see `_commit`).
+            now = time.time()
+            late = [m.command_id for m, o in pending if o.events and now > m.deadline]
+            if late:
+                raise Expired(f"commands {late} expired before their transaction committed")
+            self._commit()
             for topic in touched:
                 self.next_offset[topic] += 1  # the commit marker
             return next_command
@@ -268,6 +279,13 @@ class PartitionOwner:
                     partition=self.partition,
                 )
         return msg, outcome
+
+    def _commit(self) -> None:
+        """Bounded by `kafka_timeout_s`: the API waits that long past a command's deadline
+        (plus the clock skew) for its reply, so a commit asked for before the deadline is known
+        by then. A broker that already holds the commit request may still complete it, later:
+        the one case where a 504 was applied after all."""
+        commit_within(self.producer, self.settings.kafka_timeout_s)
 
     def _snapshot(self, touched: set[tuple[str, str]]) -> None:
         for agg_type, agg_id in touched:
@@ -348,6 +366,7 @@ class CommandProcessor:
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
+            **kafka_fetch_bounds(),
         )
         consumer.subscribe([self.topics.commands], listener=_Rebalance(self))
         replica = SnapshotReplica(s.kafka(), self.topics.snapshots)

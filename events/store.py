@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaTimeoutError
 
 from events.serialization import Envelope, decode
-from stack.settings import KAFKA_REQUEST_TIMEOUT_MS
+from stack.settings import KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
+
+
+def commit_within(producer: KafkaProducer, timeout_s: float) -> None:
+    """`producer.commit_transaction()`, bounded (kafka-python's waits for the broker without
+    limit). Unacknowledged in time, the producer's sender is stopped, so nothing retries the
+    commit later (the next producer's `init_transactions` settles it), and KafkaTimeoutError is
+    raised: the outcome is unknown, since a broker that got the request completes it."""
+    result = producer._transaction_manager.begin_commit()
+    producer._sender.wakeup()
+    if not result.wait(timeout_ms=int(timeout_s * 1000)):
+        with contextlib.suppress(Exception):
+            producer._sender.force_close()
+            producer._sender.join(timeout=timeout_s)
+        raise KafkaTimeoutError("the transaction's commit was not acknowledged in time")
 
 
 def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
@@ -22,6 +38,7 @@ def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
         enable_auto_commit=False,
         isolation_level="read_committed",
         auto_offset_reset="earliest",
+        **kafka_fetch_bounds(),
         **config,
     )
 

@@ -582,7 +582,7 @@ class EventSink:
         if applied and label is not None:
             took = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.timings.items())
             done = ", ".join(f"{n} +{c}" for n, c in applied.items())
-            log.info("%s (%s): %s", label, took, done)
+            log.debug("%s (%s): %s", label, took, done)  # a line a batch: for debugging
         return applied
 
     def _fail(self, conn: psycopg.Connection[Any], name: str, error: str, offsets: Offsets) -> None:

@@ -8,7 +8,11 @@ marker (every processor transaction ends with one). A longer jump is normal for 
 transaction or a compacted changelog, and is a loss when the partition's log now starts after
 the fold's progress: those records were deleted (retention, `kafka-delete-records`, a topic
 recreated) before the fold saw them. Only then is the broker asked, and its answer is cached
-for a second, so a healthy batch costs nothing."""
+for a second, so a healthy batch costs nothing.
+
+Changelogs (`cdc.<table>`) are written without transactions, one offset per record, so there any
+jump past a fold's progress means records it never read were removed: compacted (a reader
+further behind than `min.compaction.lag.ms`), or deleted. A join then rebuilds (`skipped`)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
 from spark.sink import record_loss
+from stack.settings import kafka_fetch_bounds
 from stack.topics import partition_of
 
 log = logging.getLogger(__name__)
@@ -62,6 +67,7 @@ class Gaps:
                         bootstrap_servers=self.bootstrap,
                         request_timeout_ms=int(self.timeout_s * 1000),
                         client_id="logfold-gaps",
+                        **kafka_fetch_bounds(),
                     )
                 found = self._consumer.beginning_offsets([partition_of(k) for k in stale])
                 for tp, offset in found.items():
@@ -75,16 +81,29 @@ class Gaps:
                 self._consumer = None
 
 
+def skipped(applied: Offsets, first: Offsets) -> Lost:
+    """The offsets of changelogs (one offset per record) between `applied` (a fold's progress)
+    and `first` (the first offset of each partition in the batch after it) that hold no record
+    any more: removed before the fold read them. Partitions it has no progress on never count
+    (it reads them from their start, as a rebuild would)."""
+    return {
+        k: (applied[k] + 1, offset)
+        for k, offset in first.items()
+        if k in applied and offset > applied[k] + 1
+    }
+
+
 def check_gaps(
     gaps: Gaps, conn: psycopg.Connection[Any], name: str, applied: Offsets, first: Offsets
-) -> None:
+) -> Lost:
     """Record in `name`'s progress (and log) the records removed from the log before it
-    applied them, given its progress and the first offsets of the batch after it."""
+    applied them, given its progress and the first offsets of the batch after it; return
+    them."""
     try:
         lost = gaps.lost(applied, first)
     except KafkaError as e:  # the batch was just read, so this is rare; say so, go on
         log.error("%s: could not check the log for lost records: %s", name, e)
-        return
+        return {}
     if lost:
         log.error(
             "%s: records removed from the log before it applied them: %s",
@@ -92,3 +111,4 @@ def check_gaps(
             ", ".join(f"{k} offsets {a}..{b - 1}" for k, (a, b) in lost.items()),
         )
         record_loss(conn, name, lost)
+    return lost

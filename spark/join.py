@@ -11,6 +11,12 @@ re-derive the joined rows of the side rows they change, write only the rows that
 changes nothing, and neither does a change CDC resends. Each join keeps its own progress and
 fails alone (in a savepoint), like the projections in `spark/event_pipeline.py`.
 
+A join that did not read records that are no longer in its changelogs (compacted away while it
+was further behind than `min.compaction.lag.ms`, or deleted: `spark/gaps.py`) may have missed a
+delete, whose tombstone went too: its state would keep that row for good. It applies nothing
+more and is rebuilt from the changelogs as they are (which hold every key's last change), then
+goes on from the rebuild's offsets.
+
 Rebuild: holding the progress lock (live batches wait), read both changelogs to their end as a
 Spark batch, fold them with the same building blocks (`projections/changelog.py`) and a Spark
 join, bulk-load state and rows into shadow tables, then in that transaction make the view equal
@@ -24,7 +30,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
@@ -37,7 +43,7 @@ from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
 from spark.event_pipeline import Running, realtime_allowed
-from spark.gaps import Gaps, check_gaps
+from spark.gaps import Gaps, check_gaps, skipped
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.sink import (
@@ -163,11 +169,18 @@ class JoinSink:
     """`foreachBatch` function of the join pipeline: every join, each with its own progress."""
 
     def __init__(
-        self, joins: Sequence[Join], database_url: str, tables: dict[str, str], gaps: Gaps
+        self,
+        joins: Sequence[Join],
+        database_url: str,
+        tables: dict[str, str],
+        gaps: Gaps,
+        rebuild: Callable[[Join], object] | None = None,
     ) -> None:
         self.joins, self.database_url, self.tables = list(joins), database_url, tables
         self.gaps = gaps
+        self.rebuild = rebuild  # of a join that missed removed records; None: left failed
         self.failed: set[str] = set()
+        self.unread: dict[str, str] = {}  # joins that missed removed records: why
         self.db = Reconnecting(database_url)
         self.planning = BatchPlanning()
         self.last_batch = 0  # records
@@ -182,7 +195,7 @@ class JoinSink:
             return
         collected = time.perf_counter()
         self.apply(recs, f"batch {batch_id}")
-        log.info(
+        log.debug(  # a line a batch: for debugging
             "batch %s (spark %.0f ms, postgres %.0f ms)",
             batch_id,
             (collected - started) * 1e3,
@@ -200,10 +213,32 @@ class JoinSink:
         conn = self.db.get()
         try:
             with conn.transaction():
-                return self._apply(conn, recs, last, label)
+                counts = self._apply(conn, recs, last, label)
         except psycopg.OperationalError:
             conn.close()
             raise
+        self._rebuild_unread()
+        return counts
+
+    def _rebuild_unread(self) -> None:
+        """Rebuild the joins that missed removed records (`unread`); each then goes on from
+        the rebuild's offsets. One whose rebuild fails stays failed: the next start of the
+        pipeline finds its gap again and tries again."""
+        for name, why in list(self.unread.items()):
+            del self.unread[name]
+            join = next(j for j in self.joins if j.name == name)
+            if self.rebuild is None:
+                continue
+            try:
+                self.rebuild(join)
+            except Exception:
+                log.exception("join %s: the rebuild after %s failed", name, why)
+                continue
+            conn = self.db.get()
+            with conn.transaction():
+                forget_failures(conn, [name])
+            self.failed.discard(name)
+            log.warning("join %s rebuilt after %s; it goes on from there", name, why)
 
     def _apply(
         self, conn: psycopg.Connection[Any], recs: Sequence[Any], last: Offsets, label: str | None
@@ -225,7 +260,21 @@ class JoinSink:
                 if r["table"] in join.tables and r["offset"] > offsets.get(k, -1):
                     starts[k] = min(starts.get(k, r["offset"]), r["offset"])
                     applied += 1
-            check_gaps(self.gaps, conn, join.name, offsets, starts)
+            lost = check_gaps(self.gaps, conn, join.name, offsets, starts)
+            unread = {**skipped(offsets, starts), **{k: v for k, v in lost.items() if k in offsets}}
+            if unread:
+                ranges = ", ".join(
+                    f"{k} offsets {a}..{b - 1}" for k, (a, b) in sorted(unread.items())
+                )
+                why = f"records removed from its changelogs before it read them ({ranges})"
+                fix = (
+                    "rebuilding it" if self.rebuild else f"rebuild it: logfold rebuild {join.name}"
+                )
+                log.error("join %s: %s, a delete may be among them: %s", join.name, why, fix)
+                mark_failed(conn, join.name, f"{why}, a delete may be among them: {fix}", offsets)
+                self.failed.add(join.name)
+                self.unread[join.name] = why
+                continue
             try:
                 with conn.transaction():
                     done = apply_changes(conn, join, changes)
@@ -239,8 +288,7 @@ class JoinSink:
                 self.failed.add(join.name)
                 continue
             counts[join.name] = applied
-            log.log(
-                logging.INFO if label else logging.DEBUG,
+            log.debug(
                 "%s: %s applied %s records, derived %s rows, wrote %s",
                 join.name,
                 label or "poll",
@@ -286,6 +334,11 @@ class JoinPipeline:
             doc[topic] = {"0": low + 1 if low >= 0 else -2}
         return json.dumps(doc)
 
+    def rebuild(self, join: Join) -> None:
+        """Rebuild `join` from its changelogs as they are now (it missed removed records)."""
+        report = JoinRebuild(self.settings, self.spark).run(join)
+        log.warning("join %s rebuilt: %s rows", join.name, report.rows.get(join.name))
+
     def realtime(self) -> bool:
         """Whether the live path runs in real-time mode (`realtime_allowed`): its query needs
         a task slot per changelog read besides the ones other real-time queries hold."""
@@ -306,7 +359,7 @@ class JoinPipeline:
         if self.sink is not None:
             self.sink.db.close()
         gaps = Gaps(self.settings.kafka(), self.settings.kafka_timeout_s)
-        self.sink = JoinSink(self.joins, url, self.tables, gaps)
+        self.sink = JoinSink(self.joins, url, self.tables, gaps, self.rebuild)
         full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
         previous = self.running
         if isinstance(previous, RealTimeJoins):

@@ -30,7 +30,7 @@ from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
 from spark.event_pipeline import EventPipeline, Running, realtime_partitions, realtime_slots
 from spark.join import JoinPipeline
-from spark.session import session
+from spark.session import quiet_stop, session
 from stack.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Projector:
         joins: Sequence[Join] | None = None,
     ) -> None:
         self.settings = settings
+        self._own_spark = spark is None  # a session it was given is not its to quiet
         chosen = list(PROJECTIONS.values()) if projections is None else list(projections)
         joined = list(JOINS.values()) if joins is None else list(joins)
         self.spark = spark or session(
@@ -132,6 +133,8 @@ class Projector:
                         del restart_at[name]
                         self.start(name)
         finally:
+            if self._stopping.is_set() and self._own_spark:
+                quiet_stop(self.spark, self.settings)
             for query in self.queries.values():
                 query.stop()
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -143,5 +146,5 @@ class Projector:
 if __name__ == "__main__":  # under spark-submit; `logfold projector` is the usual entry point
     from stack import logs
 
-    logs.configure(Settings().log_level)
+    logs.configure(Settings().log_level, Settings().log_format)
     Projector(Settings()).run()

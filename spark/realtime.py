@@ -65,7 +65,7 @@ from spark.event_pipeline import CURRENT, OFFSET, PARTITION, TOPIC, EventSink, f
 from spark.join import QUERY as JOINS_QUERY
 from spark.session import full_planning
 from spark.sink import mark_running
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings
+from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
 from stack.topics import Topics
 
 if TYPE_CHECKING:
@@ -238,7 +238,8 @@ class RealTime:
         self._transactions += 1
         if time.monotonic() - self._logged_at >= LOG_EVERY_S:
             done = ", ".join(f"{n} +{c}" for n, c in sorted(self._since_log.items()))
-            log.info("applied in %d transactions: %s", self._transactions, done or "nothing new")
+            # Per fold, for debugging; `logfold run` says once a minute what the views applied.
+            log.debug("applied in %d transactions: %s", self._transactions, done or "nothing new")
             self._since_log, self._transactions = {}, 0
             self._logged_at = time.monotonic()
 
@@ -256,6 +257,7 @@ class RealTime:
             # Rows deleted before they were read (the thread far behind): an error, which
             # restarts the pipeline from Postgres's progress, not a silent jump ahead.
             auto_offset_reset="none",
+            **kafka_fetch_bounds(),
         )
         try:
             partitions = consumer.partitions_for_topic(self.rows_topic)

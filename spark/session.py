@@ -11,9 +11,11 @@ from pyspark.sql import SparkSession
 
 import stack
 from stack import maven
+from stack.logs import is_debug, spark_level
 from stack.settings import Settings
 
 POM = Path(stack.__file__).parent / "spark" / "pom.xml"
+LOG4J = Path(stack.__file__).parent / "spark" / "log4j2.properties"
 FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spark does
 # Classes of generated code a process keeps compiled (Spark's default: 100). A rebuild of
 # every view generates ~120: with 100, each rebuild evicted the classes the next one needed
@@ -51,14 +53,16 @@ def session(
     # Python workers must run in this interpreter's environment (where pandas and Logfold are).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
+    level = spark_level(settings.log_level)
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which set these
+        # Logging configured from the JVM's start: its first warnings come before any session.
+        log4j = f"-Dlog4j2.configurationFile={LOG4J} -Dlogfold.spark.level={level}"
         builder = (
             builder.master(with_slots(settings.spark_master, slots))
             .config("spark.jars", ",".join(kafka_jars(settings)))
             .config("spark.driver.memory", settings.spark_driver_memory)
+            .config("spark.driver.extraJavaOptions", f"{java_options} {log4j}".strip())
         )
-        if java_options:
-            builder = builder.config("spark.driver.extraJavaOptions", java_options)
     spark = (
         builder.config("spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions))
         .config("spark.sql.session.timeZone", "UTC")
@@ -86,8 +90,15 @@ def session(
         .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
         .getOrCreate()
     )
-    spark.sparkContext.setLogLevel("WARN")
+    spark.sparkContext.setLogLevel(level)
     return spark
+
+
+def quiet_stop(spark: SparkSession, settings: Settings) -> None:
+    """Before stopping queries on request: stopping interrupts their running tasks, and Spark
+    logs each interruption as an error with its Java stack. Expected, so shown only at debug."""
+    if not is_debug(settings.log_level):
+        spark.sparkContext.setLogLevel("OFF")
 
 
 def idle_poll(spark: SparkSession, ms: int) -> None:

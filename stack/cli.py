@@ -41,7 +41,9 @@ def run(processors: int | None) -> None:
     from stack.topics import TopicMisconfigured
 
     settings = Settings()  # its own configuration only: not another stack's endpoints
-    logs.configure(settings.log_level)
+    # For the person at the terminal: text (unless LOGFOLD_LOG_FORMAT says), prefixed `run`.
+    text = "log_format" not in settings.model_fields_set
+    logs.configure(settings.log_level, "text" if text else settings.log_format, process="run")
     if processors is not None:
         settings.processors = processors
     try:
@@ -109,7 +111,7 @@ def api(host: str | None, port: int | None, workers: int | None) -> None:
     from stack.serve import ApiServer
 
     settings = _settings()
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     settings.api_host = host or settings.api_host
     settings.api_port = port or settings.api_port
     settings.jwt_secret = _secret(settings)
@@ -165,7 +167,7 @@ def _serve(make: Callable[[Settings], _Service]) -> None:
     from stack import logs
 
     settings = _settings()
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, settings.log_format)
     _require_topics(settings)
     service = make(settings)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
@@ -196,7 +198,7 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
     if unknown:
         raise click.UsageError(f"unknown projection(s) {unknown}; known: {', '.join(known)}")
     settings = _settings()
-    logs.configure("WARNING")
+    logs.configure("warning", settings.log_format)
     _require_topics(settings)
     spark = session(settings, "logfold-rebuild")
     job, joins = Rebuild(settings, spark), JoinRebuild(settings, spark)
@@ -226,11 +228,30 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
 
 @main.command()
 def migrate() -> None:
-    """Apply the Alembic migrations to DATABASE_URL (alembic upgrade head)."""
-    from stack.migrate import upgrade
+    """Apply the Alembic migrations to DATABASE_URL (alembic upgrade head).
 
-    upgrade(_settings().database())
+    With LOGFOLD_API_DATABASE_URL set, its user is then made the API's login: created if
+    missing, given the URL's password, a member of logfold_reader (reads the views, writes
+    nothing).
+    """
+    import psycopg
+
+    from stack.migrate import ensure_login, upgrade
+
+    settings = _settings()
+    upgrade(settings.database())
     click.echo("database is at the latest revision")
+    if settings.api_database_url:
+        try:
+            role = ensure_login(settings.database(), settings.api_database_url)
+        except (ValueError, psycopg.errors.InsufficientPrivilege) as e:
+            click.echo(
+                f"error: cannot make the API's login ({str(e).strip()}); as an administrator: "
+                "CREATE ROLE <user> LOGIN PASSWORD '…' IN ROLE logfold_reader",
+                err=True,
+            )
+            sys.exit(1)
+        click.echo(f"the API logs in as {role}: a member of logfold_reader, reads the views only")
 
 
 @main.command()
@@ -257,7 +278,13 @@ def topics(create: bool) -> None:
     help="Scope to grant (repeatable); all scopes by default.",
 )
 @click.option("--subject", default="developer", show_default=True, help="The token's subject.")
-@click.option("--ttl", default=86400, show_default=True, help="Lifetime in seconds.")
+@click.option(
+    "--ttl",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Lifetime in seconds; at most, and by default, what the API accepts "
+    "(LOGFOLD_JWT_MAX_TTL_S, 86400).",
+)
 @click.option(
     "--rows",
     "rows",
@@ -266,11 +293,21 @@ def topics(create: bool) -> None:
     help="Restrict reads and subscriptions to rows with this value (repeatable), e.g. "
     "customer_id=c-1: views with the column show only those rows, views without it are 403.",
 )
-def token(scopes: tuple[str, ...], subject: str, ttl: int, rows: tuple[str, ...]) -> None:
-    """Print a bearer token signed with LOGFOLD_JWT_SECRET (or the local stack's secret)."""
+def token(scopes: tuple[str, ...], subject: str, ttl: int | None, rows: tuple[str, ...]) -> None:
+    """Print a bearer token signed with LOGFOLD_JWT_SECRET (or the local stack's secret), for
+    the audience LOGFOLD_JWT_AUDIENCE."""
     from app.auth import SCOPES, issue_token
     from projections.registry import VIEWS
 
+    settings = _settings()
+    longest = settings.jwt_max_ttl_s
+    if ttl is not None and ttl > longest:
+        raise click.BadParameter(
+            f"{ttl} s is longer than the API accepts ({longest} s, LOGFOLD_JWT_MAX_TTL_S): it "
+            f"would refuse the token. Ask for at most {longest} s, or raise "
+            "LOGFOLD_JWT_MAX_TTL_S for the API and here alike",
+            param_hint="--ttl",
+        )
     known = sorted({c for _, view in VIEWS.values() for c in view.columns})
     claim = {}
     for item in rows:
@@ -283,7 +320,16 @@ def token(scopes: tuple[str, ...], subject: str, ttl: int, rows: tuple[str, ...]
                 param_hint="--rows",
             )
         claim[column] = value
-    click.echo(issue_token(_secret(_settings()), subject, scopes or SCOPES, ttl, claim or None))
+    click.echo(
+        issue_token(
+            _secret(settings),
+            subject,
+            scopes or SCOPES,
+            ttl or longest,
+            claim or None,
+            audience=settings.jwt_audience,
+        )
+    )
 
 
 def _secret(settings: Settings) -> str:

@@ -1,34 +1,84 @@
 """`logfold run`: the whole stack on one machine, on local defaults.
 
 Starts what is not configured externally (Kafka, Postgres), prepares topics and tables, then runs
-command processors and the API as child processes until Ctrl-C."""
+command processors and the API as child processes until Ctrl-C.
+
+The children run in sessions of their own, so Ctrl-C in the terminal reaches this process alone,
+which stops them one by one, the API first, and says so in a line each. Their output comes
+through this process, each line prefixed with the child's name (stack/logs.py)."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import requests
 
 from app.auth import check_secret
-from stack import stack_env
+from stack import logs, stack_env
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
-from stack.procs import port_open, stop_process, wait_until
+from stack.procs import port_open, wait_until
+from stack.pulse import Pulse
 from stack.settings import Settings
 from stack.topics import check_topics, create_topics
 
 # How long `logfold run` waits for the projector's live queries before its banner: they start
 # once warm and caught up with the log (seconds, unless the views have much of it to fold).
 PROJECTOR_START_S = 300
+# How long a child may take to stop after SIGTERM before it is killed (the API lets its open
+# requests finish for up to 10 s; the projector stops its queries).
+STOP_S = 30.0
+
+log = logging.getLogger("logfold")
+_output_lock = threading.Lock()
+
+
+def _write(line: str) -> None:
+    """A child's line to this process's stderr, whole (several relays write at once)."""
+    with _output_lock:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _libc_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None).prctl
+        return prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+# Looked up here, not in the forked child: a child of a process with threads (the relays) may
+# only do simple things before it runs its program.
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: SIGTERM when `logfold run` dies, even by SIGKILL (in a
+    session of its own, Ctrl-C in the terminal no longer reaches it)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    relay: logs.Relay
 
 
 def load_or_create_secret(path: Path) -> str:
@@ -55,12 +105,13 @@ def secret_for(settings: Settings) -> str:
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, say: Callable[[str], object] = print) -> None:
+    def __init__(self, settings: Settings, say: Callable[[str], object] = log.info) -> None:
         self.settings = settings
         self.say = say
         self.kafka: LocalKafka | None = None
         self.postgres: LocalPostgres | None = None
-        self.children: list[subprocess.Popen[bytes]] = []
+        self.children: list[Child] = []
+        self.hurry = threading.Event()  # a second Ctrl-C: stop the children at once
 
     def _check_port(self, port: int, what: str, variable: str) -> None:
         if port_open(port):
@@ -104,26 +155,42 @@ class LocalStack:
             "LOGFOLD_JWT_SECRET": s.jwt_secret or "",
             "LOGFOLD_TOPIC_PREFIX": s.topic_prefix,
             "LOGFOLD_PARTITIONS": str(s.partitions),
+            # What the API accepts of a token: `logfold token` in another shell issues it so.
+            "LOGFOLD_JWT_AUDIENCE": s.jwt_audience,
+            "LOGFOLD_JWT_MAX_TTL_S": str(s.jwt_max_ttl_s),
             **({"LOGFOLD_API_DATABASE_URL": s.api_database_url} if s.api_database_url else {}),
         }
 
     def env(self) -> dict[str, str]:
         return {**os.environ, **self.endpoints()}
 
-    def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", *args], env=env or self.env())
-        self.children.append(proc)
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start `logfold <args>` as the child `name`: its output relayed, prefixed; its logs
+        as text unless LOGFOLD_LOG_FORMAT says otherwise."""
+        env = {**self.env(), "LOGFOLD_LOG_FORMAT": os.environ.get("LOGFOLD_LOG_FORMAT", "text")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stack.cli", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        assert proc.stdout is not None
+        relay = logs.Relay(name, proc.stdout, _write, debug=logs.is_debug(self.settings.log_level))
+        self.children.append(Child(name, proc, relay))
         return proc
 
     def start_processes(self) -> None:
         s = self.settings
         self._check_port(s.api_port, "the API", "LOGFOLD_API_PORT")
-        for _ in range(s.processors):
-            self.spawn("processor")
+        for n in range(s.processors):
+            self.spawn("processor" if s.processors == 1 else f"processor-{n + 1}", "processor")
         self._projector_spawned = self._database_now()
-        projector = self.spawn("projector")
-        self.spawn("cdc")
-        self.spawn("api", "--host", s.api_host, "--port", str(s.api_port))
+        projector = self.spawn("projector", "projector")
+        self.spawn("cdc", "cdc")
+        self.spawn("api", "api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)
         self.say("waiting for the Spark projector to warm up and start its queries…")
@@ -161,13 +228,46 @@ class LocalStack:
         return {r[0] for r in rows} >= set(FOLDS)
 
     def stop(self) -> None:
-        for proc in reversed(self.children):
-            stop_process(proc)
+        """Stop the children, the last started first (the API, then what feeds it), then
+        Postgres and Kafka: a line each."""
+        for child in reversed(self.children):
+            self._stop(child)
         self.children.clear()
         if self.postgres is not None:
             self.postgres.stop()
+            self.say("stopped Postgres")
         if self.kafka is not None:
             self.kafka.stop()
+            self.say("stopped Kafka")
+
+    def _stop(self, child: Child) -> None:
+        """SIGTERM, and SIGKILL after STOP_S (or at a second Ctrl-C). What the child prints
+        meanwhile is held back (stack/logs.py, Relay) and shown only if it does not stop
+        cleanly."""
+        proc, started = child.proc, time.monotonic()
+        if proc.poll() is not None:
+            self.say(f"{child.name} had exited ({proc.returncode})")
+            return
+        child.relay.withhold()
+        proc.send_signal(signal.SIGTERM)
+        while proc.poll() is None and time.monotonic() - started < STOP_S:
+            self.hurry.wait(0.05)
+            if self.hurry.is_set():
+                break
+        killed = proc.poll() is None
+        if killed:
+            proc.kill()
+        proc.wait()
+        child.relay.join(5.0)  # a JVM it started may hold the pipe a moment longer
+        if killed:
+            self.say(f"{child.name} did not stop within {time.monotonic() - started:.0f} s: killed")
+        elif proc.returncode != 0:
+            self.say(f"{child.name} exited with {proc.returncode} while stopping")
+        else:
+            self.say(f"stopped {child.name} ({time.monotonic() - started:.1f} s)")
+            return
+        for line in child.relay.held():
+            _write(line)
 
 
 def run(settings: Settings) -> None:
@@ -180,6 +280,7 @@ def run(settings: Settings) -> None:
             'stop it first, or use it: `eval "$(logfold env)"`'
         )
     stack = LocalStack(settings)
+    pulse: Pulse | None = None
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     # Ctrl-C stops everything, even when `run` was started with SIGINT ignored: a
@@ -191,7 +292,8 @@ def run(settings: Settings) -> None:
         stack.start_processes()
         base = f"http://{settings.api_host}:{settings.api_port}"
         stack_env.write(settings, {**stack.endpoints(), "LOGFOLD_API_URL": base})
-        token = issue_token(settings.jwt_secret or "")
+        ttl = settings.jwt_max_ttl_s  # the longest the API accepts (24 h by default)
+        token = issue_token(settings.jwt_secret or "", ttl_s=ttl, audience=settings.jwt_audience)
         print(
             f"""
 Logfold is running.
@@ -202,7 +304,7 @@ Logfold is running.
   Kafka      {settings.kafka()}
   Postgres   {settings.database()}
 
-Development token (all scopes, valid 24 h; `logfold token` prints another):
+Development token (all scopes, valid {ttl / 3600:g} h; `logfold token` prints another):
   export TOKEN={token}
 
 Try:
@@ -214,13 +316,20 @@ Ctrl-C stops everything; data stays in {settings.data_path} (`logfold reset` wip
 """,
             flush=True,
         )
+        pulse = Pulse(settings, f"{base}/health")
+        pulse.start()
         while not stopped.wait(0.5):
             for child in stack.children:
-                if child.poll() is not None:
-                    raise RuntimeError(f"{child.args!r} exited with {child.returncode}")
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}")
     except KeyboardInterrupt:
         pass
     finally:
-        print("stopping…", flush=True)
+        # Another Ctrl-C (or SIGTERM) while stopping: the children are killed, not waited for.
+        signal.signal(signal.SIGINT, lambda *_: stack.hurry.set())
+        signal.signal(signal.SIGTERM, lambda *_: stack.hurry.set())
+        stack.say("stopping… (Ctrl-C again: at once)")
+        if pulse is not None:
+            pulse.stop()
         stack_env.remove(settings)
         stack.stop()

@@ -80,20 +80,15 @@ class LocalPostgres:
     def api_url(self, role: str = "logfold_api") -> str:
         """A login for the API that can read the views and write nothing: a member of
         `logfold_reader` (made by the migrations), with its own generated password."""
-        import psycopg
+        from stack.migrate import ensure_login
 
         secret = self.data_dir / f"{role}-password"
         if not secret.exists():
             write_private(secret, secrets.token_urlsafe(24), replace=False)
         password = secret.read_text().strip()
-        with psycopg.connect(self._url(self.database), autocommit=True) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
-            make = (
-                "ALTER ROLE {} LOGIN PASSWORD {}" if exists else "CREATE ROLE {} LOGIN PASSWORD {}"
-            )
-            conn.execute(sql.SQL(make).format(sql.Identifier(role), sql.Literal(password)))
-            conn.execute(sql.SQL("GRANT logfold_reader TO {}").format(sql.Identifier(role)))
-        return f"postgresql://{role}:{password}@127.0.0.1:{self.port}/{self.database}"
+        url = f"postgresql://{role}:{password}@127.0.0.1:{self.port}/{self.database}"
+        ensure_login(self._url(self.database), url)
+        return url
 
     def _password_file_made(self) -> Path:
         self.password()

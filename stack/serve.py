@@ -6,6 +6,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from stack.logs import is_debug
 from stack.settings import Settings
 
 
@@ -24,7 +25,7 @@ class ApiServer(BaseApplication):  # type: ignore[misc]
             "timeout": 60,
             "graceful_timeout": 10,
             "accesslog": None,
-            "loglevel": "warning",
+            "loglevel": "info" if is_debug(settings.log_level) else "warning",
         }
         super().__init__()
 

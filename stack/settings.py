@@ -4,9 +4,12 @@ and `DATABASE_URL`). Unset Kafka/Postgres addresses mean "start local ones" unde
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from stack.logs import level_of
 
 # A Kafka consumer's request unanswered this long fails and is retried (kafka-python waits 305 s).
 KAFKA_REQUEST_TIMEOUT_MS = 30_000
@@ -14,6 +17,42 @@ KAFKA_REQUEST_TIMEOUT_MS = 30_000
 # ends the wait at once (the broker answers a fetch as soon as it has one), so this sets only
 # how often an idle loop wakes, looks around and polls again: CPU at idle, not latency.
 IDLE_POLL_MS = 500
+# How long changelogs keep every change, and then deletes (LOGFOLD_CDC_COMPACTION_LAG_MS,
+# LOGFOLD_CDC_DELETE_RETENTION_MS): a day each.
+CHANGELOG_KEEP_MS = 24 * 3600 * 1000
+# Tokens: the audience (`aud`) each must name, and the longest lifetime (`exp` - `iat`) the API
+# accepts; `logfold token` issues them so (LOGFOLD_JWT_AUDIENCE, LOGFOLD_JWT_MAX_TTL_S).
+JWT_AUDIENCE = "logfold-api"
+JWT_MAX_TTL_S = 24 * 3600
+
+# The largest record batch a Logfold topic takes: the broker's default `message.max.bytes`, which
+# every topic inherits (stack/topics.py sets no `max.message.bytes`).
+KAFKA_MAX_BATCH_BYTES = 1_048_588
+# What one fetch asks for at most: per partition, and in all (a catch-up reads several
+# partitions from their start, a few MB each round trip).
+KAFKA_PARTITION_FETCH_BYTES = 4 * 1024 * 1024
+KAFKA_FETCH_BYTES = 16 * 1024 * 1024
+# A fetch response's headers (per topic and partition: ids, offsets, aborted transactions),
+# beside its records; generous, since the bound only guards against a corrupt length.
+KAFKA_RESPONSE_HEADERS_BYTES = 1024 * 1024
+
+
+def kafka_fetch_bounds() -> dict[str, int]:
+    """The fetch settings every kafka-python consumer of Logfold's takes (`**kafka_fetch_bounds()`).
+
+    kafka-python refuses a response larger than `receive_message_max_bytes` (1,000,000 by
+    default, below its own default fetch sizes of 1 MiB a partition and 50 MB in all): it closes
+    the connection with `InvalidReceiveError: Invalid frame length`, and every request in flight
+    on it fails. The broker answers a fetch with at most `fetch_max_bytes` of records, or with one
+    batch larger than that (at most KAFKA_MAX_BATCH_BYTES) when the first one is; so a frame
+    bound above both, with room for the headers, is never reached by a well-formed response."""
+    return {
+        "max_partition_fetch_bytes": KAFKA_PARTITION_FETCH_BYTES,
+        "fetch_max_bytes": KAFKA_FETCH_BYTES,
+        "receive_message_max_bytes": (
+            max(KAFKA_FETCH_BYTES, KAFKA_MAX_BATCH_BYTES) + KAFKA_RESPONSE_HEADERS_BYTES
+        ),
+    }
 
 
 class Settings(BaseSettings):
@@ -72,10 +111,31 @@ class Settings(BaseSettings):
     spark_realtime_fetch_wait_ms: int = Field(default=500, ge=1, le=10_000)
 
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
+    # How long a changelog (`cdc.<table>`) keeps every change before compaction may drop the
+    # ones a later change of their key supersedes (`min.compaction.lag.ms`), and how long a
+    # delete's tombstone stays after that (`delete.retention.ms`). A reader further behind than
+    # that finds changes gone: the websocket hub then resyncs the table's subscribers, a join
+    # rebuilds. Both must cover the websocket history (`ws_replay` changes of a table, and how
+    # long a client may stay away and resume with `since`) and the joins' worst lag (a
+    # projector down). The topic check at start refuses smaller values (larger ones are fine).
+    cdc_compaction_lag_ms: int = Field(default=CHANGELOG_KEEP_MS, ge=0)
+    cdc_delete_retention_ms: int = Field(default=CHANGELOG_KEEP_MS, ge=0)
 
     ws_max_subscriptions: int = Field(default=20, ge=1)  # per connection
     ws_max_per_subject: int = Field(default=100, ge=1)  # open websockets per token subject
     ws_auth_timeout_s: float = Field(default=5.0, gt=0)  # a socket without a token is closed
+    # Sockets that came without a valid `?token=` wait for an `auth` message outside the
+    # admitted ones, in a pool of their own: at most this many per process, and per client
+    # address (behind a load balancer that hides clients' addresses, raise the latter).
+    ws_max_pending: int = Field(default=32, ge=1)
+    ws_max_pending_per_address: int = Field(default=8, ge=1)
+    # Subscribes per connection: a burst, then so many a second (each takes a snapshot).
+    ws_subscribe_burst: int = Field(default=20, ge=1)
+    ws_subscribes_per_s: float = Field(default=2.0, gt=0)
+    # Reads and subscriptions waiting for `consistent_with` at once, per process and per token
+    # subject; past them, `429` with Retry-After.
+    max_waiters: int = Field(default=64, ge=1)
+    max_waiters_per_subject: int = Field(default=8, ge=1)
     ws_max_message_bytes: int = Field(default=16 * 1024, ge=256)  # client -> server
     ws_buffer: int = Field(default=1000, ge=2)  # messages queued per client before 4008
     ws_buffer_bytes: int = Field(default=16 * 1024 * 1024, ge=64 * 1024)  # and their bytes
@@ -85,6 +145,8 @@ class Settings(BaseSettings):
     ws_socket_buffer_bytes: int = Field(default=256 * 1024, ge=4096)
 
     jwt_secret: str | None = None
+    jwt_audience: str = Field(default=JWT_AUDIENCE, min_length=1)
+    jwt_max_ttl_s: int = Field(default=JWT_MAX_TTL_S, ge=60)
     command_timeout_s: float = Field(default=10.0, gt=0)
     kafka_timeout_s: float = Field(default=5.0, gt=0)
     clock_skew_s: float = Field(default=1.0, ge=0)
@@ -95,12 +157,22 @@ class Settings(BaseSettings):
     health_interval_s: float = Field(default=2.0, gt=0)
     health_timeout_s: float = Field(default=3.0, gt=0)
     health_failures: int = Field(default=3, ge=1)
-    log_level: str = "INFO"
+    # What each process logs (stack/logs.py): `info` is what an operator needs, `debug` brings
+    # the libraries' chatter, Spark's warnings and the output of processes as they stop.
+    log_level: str = "info"
+    log_format: Literal["json", "text"] = "json"  # `logfold run`'s processes: text
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level_of(value)  # ValueError names the levels there are
+        return value.strip().lower()
 
     @property
     def ws_max_open(self) -> int:
-        """Websockets one API process holds at most (the threads it does not reserve)."""
-        return max(self.api_threads - self.api_reserved_threads, 1)
+        """Authenticated websockets one API process holds at most: the threads it neither
+        reserves for REST nor keeps for sockets waiting for their `auth` message."""
+        return max(self.api_threads - self.api_reserved_threads - self.ws_max_pending, 1)
 
     @property
     def data_path(self) -> Path:

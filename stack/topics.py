@@ -14,10 +14,12 @@ from kafka.errors import TopicAlreadyExistsError
 from commands.handling import IDEMPOTENCY_RETENTION_S
 from events.catalog import AGGREGATE_TYPES
 from stack.procs import wait_until
-from stack.settings import Settings
+from stack.settings import CHANGELOG_KEEP_MS, Settings
 from streams.registry import STREAMS
 
 DAY_MS = 24 * 3600 * 1000
+# Configurations where a larger value than the spec's only keeps records longer: fine.
+AT_LEAST = ("min.compaction.lag.ms", "delete.retention.ms")
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,22 @@ class TopicSpec:
 class Topics:
     """Topic names for one deployment (a prefix lets several share a cluster)."""
 
-    def __init__(self, prefix: str = "") -> None:
+    def __init__(
+        self,
+        prefix: str = "",
+        cdc_compaction_lag_ms: int = CHANGELOG_KEEP_MS,
+        cdc_delete_retention_ms: int = CHANGELOG_KEEP_MS,
+    ) -> None:
         self.prefix = prefix
+        self.cdc_compaction_lag_ms = cdc_compaction_lag_ms
+        self.cdc_delete_retention_ms = cdc_delete_retention_ms
+
+    @classmethod
+    def of(cls, settings: Settings) -> Topics:
+        """The topics of the deployment `settings` describe, with its changelogs' retention."""
+        return cls(
+            settings.topic_prefix, settings.cdc_compaction_lag_ms, settings.cdc_delete_retention_ms
+        )
 
     def events(self, aggregate_type: str) -> str:
         return f"{self.prefix}events.{aggregate_type}"
@@ -83,6 +99,11 @@ class Topics:
 
     def specs(self) -> list[TopicSpec]:
         compact = {"cleanup.policy": "compact", "retention.ms": "-1", "min.compaction.lag.ms": "0"}
+        changelog = {
+            **compact,
+            "min.compaction.lag.ms": str(self.cdc_compaction_lag_ms),
+            "delete.retention.ms": str(self.cdc_delete_retention_ms),
+        }
         return [
             *(
                 TopicSpec(self.events(a), f"event log of {a} aggregates", compact)
@@ -134,9 +155,12 @@ class Topics:
                 for name in STREAMS
             ),
             # One partition: a table's changelog is one total order (commit order), which is
-            # what websocket positions and `since` rely on.
+            # what websocket positions and `since` rely on. Every change is kept a while
+            # (compaction then keeps each key's last), and deletes a while longer, so that a
+            # reader behind by less misses none (LOGFOLD_CDC_COMPACTION_LAG_MS and
+            # LOGFOLD_CDC_DELETE_RETENTION_MS, in stack/settings.py).
             *(
-                TopicSpec(self.cdc(t), f"changelog of table {t}", compact, partitions=1)
+                TopicSpec(self.cdc(t), f"changelog of table {t}", changelog, partitions=1)
                 for t in captured_tables()
             ),
         ]
@@ -175,7 +199,7 @@ def admin_client(settings: Settings) -> KafkaAdminClient:
 
 def create_topics(settings: Settings) -> list[str]:
     """Create missing topics with the required configuration; return the names created."""
-    topics = Topics(settings.topic_prefix)
+    topics = Topics.of(settings)
     admin = admin_client(settings)
     try:
         existing = set(admin.list_topics())
@@ -207,7 +231,7 @@ def create_topics(settings: Settings) -> list[str]:
 def check_topics(settings: Settings) -> None:
     """Raise TopicMisconfigured, naming every problem and its fix, unless every topic exists
     with the expected partition count and configuration."""
-    topics = Topics(settings.topic_prefix)
+    topics = Topics.of(settings)
     specs = topics.specs()
     admin = admin_client(settings)
     try:
@@ -236,14 +260,16 @@ def check_topics(settings: Settings) -> None:
                 actual = configs.get(spec.name, {})
                 for key, want in spec.configs.items():
                     have = str(actual.get(key))
-                    if key == "min.compaction.lag.ms":
+                    if key in AT_LEAST and _at_least(have, want):
                         continue
-                    if _normalized(have) != _normalized(want):
-                        problems.append(
-                            f"topic {spec.name} has {key}={have}, expected {key}={want} "
-                            f"(fix: kafka-configs --alter --entity-type topics "
-                            f"--entity-name {spec.name} --add-config {key}={want})"
-                        )
+                    if key not in AT_LEAST and _normalized(have) == _normalized(want):
+                        continue
+                    expected = f"{key}={want}" + (" or more" if key in AT_LEAST else "")
+                    problems.append(
+                        f"topic {spec.name} has {key}={have}, expected {expected} "
+                        f"(fix: kafka-configs --alter --entity-type topics "
+                        f"--entity-name {spec.name} --add-config {key}={want})"
+                    )
         if problems:
             raise TopicMisconfigured(
                 "Kafka topics are not configured as Logfold requires:\n  - "
@@ -284,3 +310,7 @@ def topic_configs(admin: KafkaAdminClient, names: list[str]) -> dict[str, dict[s
 
 def _normalized(value: str) -> str:
     return ",".join(sorted(value.split(",")))
+
+
+def _at_least(have: str, want: str) -> bool:
+    return have.lstrip("-").isdigit() and int(have) >= int(want)

@@ -12,10 +12,10 @@ from datetime import datetime
 from typing import Any
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaTimeoutError
 
 from events.partitioning import partition_for
 from events.serialization import dumps
+from events.store import commit_within
 from stack.settings import Settings
 from stack.topics import Topics
 from streams.registry import Stream
@@ -112,11 +112,7 @@ class Ingestion:
                 raise Unknown(str(e)) from e
 
     def _commit(self, producer: KafkaProducer) -> None:
-        """`commit_transaction()`, bounded: kafka-python's waits for the broker without limit."""
-        result = producer._transaction_manager.begin_commit()
-        producer._sender.wakeup()
-        if not result.wait(timeout_ms=int(self.settings.kafka_timeout_s * 1000)):
-            raise KafkaTimeoutError("the transaction's commit was not acknowledged in time")
+        commit_within(producer, self.settings.kafka_timeout_s)
 
     def _discard(self) -> None:
         """Drop a failed producer at once: its pending records fail (their transaction is

@@ -104,6 +104,20 @@ def new_deployment(base: Settings, **overrides: Any) -> Settings:
     return settings
 
 
+def fill_log(settings: Settings, topic: str, partitions: int, records: int) -> None:
+    """`records` placeholder records (not events) in each of `partitions` partitions of
+    `topic`: for tests that write view rows and progress themselves and wait for positions
+    (one past the log's end is refused at once), with no projector reading the topic."""
+    producer = KafkaProducer(bootstrap_servers=settings.kafka())
+    try:
+        for partition in range(partitions):
+            for i in range(records):
+                producer.send(topic, b"{}", f"x:{i}".encode(), partition=partition)
+        producer.flush(timeout=30)
+    finally:
+        producer.close()
+
+
 def append_events(
     settings: Settings,
     aggregate_type: str,

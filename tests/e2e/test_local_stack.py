@@ -54,11 +54,11 @@ class RunningStack:
                 "LOGFOLD_KAFKA_PORT": str(self.kafka_port),
                 "LOGFOLD_POSTGRES_PORT": str(self.pg_port),
                 "LOGFOLD_API_PORT": str(self.api_port),
-                "LOGFOLD_LOG_LEVEL": "WARNING",
             }
         )
         self.base = f"http://127.0.0.1:{self.api_port}"
         self.output: list[str] = []
+        self.interrupted_at = 0  # how many lines it had printed when it was interrupted
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> str:
@@ -71,8 +71,10 @@ class RunningStack:
             stderr=subprocess.STDOUT,
             text=True,
             preexec_fn=as_a_background_job,
+            process_group=0,  # as a terminal's foreground job, which Ctrl-C signals as a whole
         )
-        threading.Thread(target=self._collect, daemon=True).start()
+        self._collector = threading.Thread(target=self._collect, daemon=True)
+        self._collector.start()
         try:
             wait_until(
                 lambda: any("export TOKEN=" in line for line in self.output),
@@ -95,9 +97,13 @@ class RunningStack:
             self.output.append(line)
 
     def interrupt(self) -> int:
+        """Ctrl-C: SIGINT to the whole process group, as a terminal sends it."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout=90)
+        self.interrupted_at = len(self.output)
+        os.killpg(self.proc.pid, signal.SIGINT)
+        code = self.proc.wait(timeout=90)
+        self._collector.join(10)  # until the pipe's end: every line it printed
+        return code
 
     def kill(self) -> None:
         """Stop the stack whatever state a failed test left it in: SIGTERM first, which stops
@@ -154,6 +160,7 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     second_terminal(stack, data_dir)
 
     assert stack.interrupt() == 0, stack.tail()
+    a_terminal_a_person_can_read(stack)
     assert not port_open(stack.kafka_port) and not port_open(stack.pg_port)
     assert not port_open(stack.api_port)
     assert not (data_dir / "stack.env").exists()  # gone with the stack
@@ -179,6 +186,28 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     )
     assert reset.returncode == 0, reset.stderr
     assert not data_dir.exists()
+
+
+PREFIXED = re.compile(r"^(run|processor|projector|cdc|api) +\| ")
+
+
+def a_terminal_a_person_can_read(stack: RunningStack) -> None:
+    """What `logfold run` printed at the default log level: no Spark warnings, every line but
+    the banner's prefixed with its process, and after Ctrl-C a line for each thing it stopped
+    (no Python traceback, no Java stack)."""
+    output = stack.output
+    everything = "".join(output)
+    assert [line for line in output if re.search(r"\bWARN\b", line)] == [], everything
+    first = next(i for i, line in enumerate(output) if "Logfold is running." in line)
+    last = next(i for i, line in enumerate(output) if line.startswith("Ctrl-C stops everything"))
+    logged = [line for line in output[:first] + output[last + 1 :] if line.strip()]
+    assert [line for line in logged if not PREFIXED.match(line)] == [], everything
+    stopping = output[stack.interrupted_at :]
+    said = "".join(stopping)
+    assert len(stopping) <= 10, said
+    assert "Traceback" not in said and "\tat " not in said, said
+    for what in ("api", "cdc", "projector", "processor", "Postgres", "Kafka"):
+        assert f"stopped {what}" in said, said
 
 
 def cli(

@@ -25,7 +25,7 @@ from events.partitioning import partition_for
 from events.serialization import Envelope
 from events.store import committed_reader, read_to_end
 from stack.procs import wait_until
-from stack.settings import Settings
+from stack.settings import JWT_AUDIENCE, Settings
 from stack.topics import Topics
 from tests.support import SECRET, log_of, new_deployment, token
 
@@ -176,7 +176,12 @@ def test_a_body_that_is_not_json_is_400_malformed_json(
 
 def _claims(**overrides: Any) -> dict[str, Any]:
     now = int(time.time())
-    return {"sub": "t", "scope": "commands:write", "iss": "logfold", "exp": now + 600} | overrides
+    claims = {"sub": "t", "scope": "commands:write", "iss": "logfold", "aud": JWT_AUDIENCE}
+    return claims | {"iat": now, "exp": now + 600} | overrides
+
+
+def _without(claim: str) -> dict[str, Any]:
+    return {k: v for k, v in _claims().items() if k != claim}
 
 
 BAD_AUTH = {
@@ -191,10 +196,12 @@ BAD_AUTH = {
     "expired": (f"Bearer {token(ttl=-60)}", "expired"),
     "alg-none": (f"Bearer {jwt.encode(_claims(), None, algorithm='none')}", "invalid token"),
     "wrong-issuer": (f"Bearer {jwt.encode(_claims(iss='evil'), SECRET, 'HS256')}", "issuer"),
-    "no-scope-claim": (
-        f"Bearer {jwt.encode({k: v for k, v in _claims().items() if k != 'scope'}, SECRET)}",
-        "scope",
-    ),
+    "no-scope-claim": (f"Bearer {jwt.encode(_without('scope'), SECRET)}", "scope"),
+    "no-audience": (f"Bearer {jwt.encode(_without('aud'), SECRET)}", '"aud"'),
+    "other-audience": (f"Bearer {jwt.encode(_claims(aud='another-api'), SECRET)}", "Audience"),
+    "no-issued-at": (f"Bearer {jwt.encode(_without('iat'), SECRET)}", '"iat"'),
+    "issued-at-text": (f"Bearer {jwt.encode(_claims(iat='1'), SECRET)}", "`iat`"),
+    "too-long-lived": (f"Bearer {token(ttl=24 * 3600 + 1)}", "lifetime is too long"),
 }
 
 
@@ -495,6 +502,25 @@ def test_an_idempotency_key_outside_1_to_128_chars_is_422(
     assert events_of(deployment, "customer", cid) == []
     # 128 characters is still fine.
     created(send(client, "register-customer", body, headers={"Idempotency-Key": "k" * 128}))
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["c" * 129, "two words", "tab\there", "ünïcode", "bell\x07", "\x1b[31mred"],
+    ids=["129", "space", "tab", "non-ascii", "control", "escape"],
+)
+def test_a_bad_correlation_id_is_422_and_never_reaches_an_event(
+    client: FlaskClient, deployment: Settings, value: str
+) -> None:
+    """An X-Correlation-Id is kept in the command's events for ever (events are immutable)."""
+    cid = new_id("cust")
+    body = {"aggregate_id": cid, "data": {"name": "Ann", "email": "ann@example.com"}}
+    with nothing_sent(deployment):
+        r = send(client, "register-customer", body, headers={"X-Correlation-Id": value})
+        error = error_of(r, 422, "validation_failed")
+    assert [d["field"] for d in error["details"]] == ["X-Correlation-Id"]
+    assert events_of(deployment, "customer", cid) == []
+    created(send(client, "register-customer", body, headers={"X-Correlation-Id": "c" * 128}))
 
 
 def test_placing_an_order_for_an_unknown_customer_and_books_is_422(

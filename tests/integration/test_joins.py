@@ -32,6 +32,7 @@ from tests.support import (
     Processes,
     append_changes,
     cli,
+    fill_log,
     projector_session,
     send_again,
     token,
@@ -489,11 +490,27 @@ def test_joined_views_are_served_like_the_others(
     assert api.get(f"/views/order_summaries/{uid('o')}", headers=AUTH).status_code == 404
 
 
+def end_offset(settings: Settings, topic: str) -> int:
+    """The end offset of `topic`'s partition 0."""
+    consumer = KafkaConsumer(bootstrap_servers=settings.kafka())
+    try:
+        part = TopicPartition(topic, 0)
+        return int(consumer.end_offsets([part])[part])
+    finally:
+        consumer.close()
+
+
 def test_a_joined_view_does_not_include_a_position_before_the_join_has_seen_it(
     deployment: Settings, api: FlaskClient
 ) -> None:
     topics = Topics(deployment.topic_prefix)
-    order_event = Position(topics.events("order"), 0, 0).token()
+    # Positions of records in the log (one past its end is refused at once); only the joins
+    # run here, reading changelogs, so the records need not be events.
+    for aggregate in ("order", "book"):
+        if not end_offset(deployment, topics.events(aggregate)):
+            fill_log(deployment, topics.events(aggregate), 1, 1)
+    order_partition, order_offset = 0, 0
+    order_event = Position(topics.events("order"), order_partition, order_offset).token()
     book_event = Position(topics.events("book"), 0, 0).token()
     url = "/views/order_summaries?consistent_with={}&wait=0.2"
     assert api.get(url.format(book_event), headers=AUTH).status_code == 200  # not an input
@@ -503,7 +520,7 @@ def test_a_joined_view_does_not_include_a_position_before_the_join_has_seen_it(
         conn.execute(
             "INSERT INTO projection_progress (projection, offsets) VALUES ('orders', %s) "
             "ON CONFLICT (projection) DO UPDATE SET offsets = excluded.offsets",
-            (f'{{"{topics.events("order")}:0": 0}}',),
+            (json.dumps({f"{topics.events('order')}:{order_partition}": order_offset}),),
         )
     # The orders projection has it now, but no CDC runs here: the join cannot have seen it.
     r = api.get(url.format(order_event), headers=AUTH)

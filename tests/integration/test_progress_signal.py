@@ -19,12 +19,13 @@ from projections.registry import FOLDS
 from stack.procs import free_port, wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import new_deployment
+from tests.support import fill_log, new_deployment
 
 
 @pytest.fixture
 def deployment(base_settings: Settings) -> Settings:
     settings = new_deployment(base_settings)
+    fill_log(settings, Topics(settings.topic_prefix).events("customer"), 1, 10)
     with psycopg.connect(settings.database(), autocommit=True) as conn:
         conn.execute("INSERT INTO projection_progress (projection) VALUES ('customers')")
     return settings

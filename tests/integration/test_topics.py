@@ -16,6 +16,8 @@ from stack.topics import (
     Topics,
     captured_tables,
     check_topics,
+    create_topics,
+    topic_configs,
     wait_for_topics,
 )
 from tests.support import cli as run_cli
@@ -179,3 +181,42 @@ def test_topics_create_repairs_a_missing_topic(base_settings: Settings) -> None:
     assert done.returncode == 0, done.stderr
     assert f"created {topics.idempotency}" in done.stdout
     check_topics(settings)
+
+
+def test_changelogs_keep_every_change_and_then_deletes_for_the_configured_time(
+    base_settings: Settings,
+) -> None:
+    """A changelog reader (the websocket hub, a join) further behind than compaction allows
+    can miss a change or a delete: changelogs keep both for LOGFOLD_CDC_COMPACTION_LAG_MS and
+    LOGFOLD_CDC_DELETE_RETENTION_MS, and a changelog that keeps them for less is refused."""
+    settings = fresh(base_settings).model_copy(
+        update={"cdc_compaction_lag_ms": 3_600_000, "cdc_delete_retention_ms": 7_200_000}
+    )
+    customers = Topics(settings.topic_prefix).cdc("customers")
+    create_topics(settings)
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka(), request_timeout_ms=30000)
+    try:
+        configs = topic_configs(admin, [customers])[customers]
+    finally:
+        admin.close()
+    assert (configs["min.compaction.lag.ms"], configs["delete.retention.ms"]) == (
+        "3600000",
+        "7200000",
+    )
+    check_topics(settings)
+    check_topics(settings.model_copy(update={"cdc_compaction_lag_ms": 60_000}))  # more is fine
+    longer = problem_lines(
+        problems_of(settings.model_copy(update={"cdc_delete_retention_ms": 8_000_000}))
+    )
+    assert len(longer) == len(captured_tables())  # each changelog keeps its deletes too briefly
+    assert f"topic {customers} has delete.retention.ms=7200000, expected " in "\n".join(longer)
+
+    # A changelog compacted at once (as they were made before): refused, with the fix.
+    immediate = fresh(base_settings)
+    cdc = Topics(immediate.topic_prefix).cdc("customers")
+    make_topics(immediate, configs={cdc: {"min.compaction.lag.ms": "0"}})
+    assert problem_lines(problems_of(immediate)) == [
+        f"topic {cdc} has min.compaction.lag.ms=0, expected min.compaction.lag.ms=86400000 "
+        f"or more (fix: kafka-configs --alter --entity-type topics --entity-name {cdc} "
+        f"--add-config min.compaction.lag.ms=86400000)"
+    ]

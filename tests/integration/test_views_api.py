@@ -23,11 +23,12 @@ from werkzeug.test import TestResponse
 
 from app.read_model import ReadModel
 from commands.messages import Position
+from commands.registry import AGGREGATES
 from projections.registry import PROJECTIONS, VIEWS
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import health_component, token
+from tests.support import fill_log, health_component, new_deployment, token
 
 pytestmark = pytest.mark.integration
 
@@ -123,6 +124,23 @@ def walk(client: FlaskClient, url: str, limit: int) -> list[list[dict[str, Any]]
     raise AssertionError("pagination never ended")
 
 
+RECORDED = 20  # records in each partition of each events topic, before any command
+
+
+@pytest.fixture(scope="module")
+def deployment(base_settings: Settings) -> Settings:
+    """The module's deployment, with a log in which the positions its tests wait for exist (a
+    position past the log's end is refused at once). The records are not events: no projector
+    runs here, the tests write view rows and progress themselves. Written before the command
+    processor starts, which takes the log's ends as they are then."""
+    settings = new_deployment(base_settings)
+    for aggregate in AGGREGATES:
+        fill_log(
+            settings, Topics(settings.topic_prefix).events(aggregate), settings.partitions, RECORDED
+        )
+    return settings
+
+
 @pytest.fixture(scope="module")
 def topics(deployment: Settings) -> Topics:
     return Topics(deployment.topic_prefix)
@@ -201,6 +219,43 @@ def test_list_views_lag_shows_late_events_from_progress(
     views = {v["name"]: v for v in client.get("/views", headers=READER).json["views"]}
     assert views["sales_by_hour"]["lag"]["late_events"] == 4
     assert views["late_events"]["lag"]["late_events"] == 4  # same projection, same lag
+
+
+def test_a_failure_and_its_lost_ranges_are_shown_to_admin_callers_only(
+    client: FlaskClient, deployment: Settings
+) -> None:
+    """The failure's text can quote an event (a customer's data): a views:read token, one
+    customer's included, sees that the fold failed and where, not why; `admin` sees it all."""
+    failure = "ValueError: cannot fold {'email': 'ann@example.com', 'customer_id': 'c-77'}"
+    loss = [{"partition": "x:0", "from_offset": 2, "to_offset": 3, "detected_at": "then"}]
+    sql(
+        deployment,
+        "INSERT INTO projection_progress (projection, error, error_offsets, failed_at, "
+        "lost_offsets, data_loss) VALUES ('order_summaries', %s, %s, now(), 1, %s) "
+        "ON CONFLICT (projection) DO UPDATE SET error = excluded.error, error_offsets = "
+        "excluded.error_offsets, failed_at = now(), lost_offsets = 1, data_loss = "
+        "excluded.data_loss",
+        (failure, Jsonb({"x:0": 5}), Jsonb(loss)),
+    )
+    try:
+        customer = {"Authorization": f"Bearer {token('views:read', rows={'customer_id': 'c-1'})}"}
+        for headers in (customer, READER):
+            r = client.get("/views", headers=headers)
+            assert r.status_code == 200, r.json
+            lag = {v["name"]: v["lag"] for v in r.json["views"]}["order_summaries"]
+            assert lag["failed"]["offsets"] == {"x:0": 5} and "error" not in lag["failed"]
+            assert lag["lost_offsets"] == 1 and "data_loss" not in lag
+            assert "ann@example.com" not in r.get_data(as_text=True)
+        admin = {"Authorization": f"Bearer {token('views:read', 'admin')}"}
+        r = client.get("/views", headers=admin)
+        lag = {v["name"]: v["lag"] for v in r.json["views"]}["order_summaries"]
+        assert lag["failed"]["error"] == failure and lag["data_loss"] == loss
+    finally:
+        sql(
+            deployment,
+            "UPDATE projection_progress SET error = NULL, error_offsets = NULL, failed_at = NULL, "
+            "lost_offsets = 0, data_loss = NULL WHERE projection = 'order_summaries'",
+        )
 
 
 @pytest.mark.parametrize("path", ["/views", "/views/customers", "/views/customers/c-1"])
@@ -643,7 +698,7 @@ def test_a_position_on_a_topic_the_projection_does_not_read_is_immediate(
     cid = uid("ryw-other")
     add_customer(deployment, cid)
     set_progress(deployment, "customers", {})
-    tok = Position(topics.events("order"), 0, 10**9).token()
+    tok = Position(topics.events("order"), 0, RECORDED - 1).token()
     started = time.monotonic()
     r = client.get(f"/views/customers/{cid}?consistent_with={tok}&wait=10", headers=READER)
     assert r.status_code == 200 and r.json["customer_id"] == cid
@@ -657,6 +712,59 @@ def test_a_position_on_a_topic_the_projection_does_not_read_is_immediate(
         504,
         "timeout",
     )
+
+
+def test_a_position_beyond_the_log_is_422_at_once(
+    client: FlaskClient, deployment: Settings, topics: Topics
+) -> None:
+    cid = uid("ryw-beyond")
+    add_customer(deployment, cid)
+    topic = topics.events("customer")
+    for position in (
+        Position(topic, 0, 10**12),
+        Position(topic, 1, RECORDED + 5),
+        Position(topic, deployment.partitions, 0),  # no such partition
+        Position(topics.events("order"), 0, 10**9),  # even of a topic customers does not read
+    ):
+        for path in (f"/views/customers/{cid}", "/views/customers"):
+            started = time.monotonic()
+            r = client.get(f"{path}?consistent_with={position.token()}&wait=30", headers=READER)
+            assert fields_of(error_of(r, 422, "validation_failed")) == {"consistent_with"}
+            assert time.monotonic() - started < 10  # not the 30 s asked for
+
+
+def test_waiting_reads_are_bounded_per_subject_and_process(
+    client: FlaskClient, deployment: Settings, topics: Topics, model: ReadModel
+) -> None:
+    """Past `max_waiters_per_subject` waits under way, a subject's next read is `429` with
+    Retry-After at once; other subjects still wait, up to the process's `max_waiters`."""
+    topic = topics.events("customer")
+    set_progress(deployment, "customers", {f"{topic}:0": 0})
+    tok = Position(topic, 0, RECORDED - 1).token()
+    per_subject, per_process = model.waiters.max_per_subject, model.waiters.max_all
+    headers = {"Authorization": f"Bearer {token('views:read', subject='patient')}"}
+    answers: list[int] = []
+
+    def wait_long() -> None:
+        r = client.get(f"/views/customers?consistent_with={tok}&wait=20", headers=headers)
+        answers.append(r.status_code)
+
+    waiting = [threading.Thread(target=wait_long, daemon=True) for _ in range(per_subject)]
+    for t in waiting:
+        t.start()
+    wait_until(lambda: model.waiters.subjects.get("patient") == per_subject, 20, "the waits")
+    r = client.get(f"/views/customers?consistent_with={tok}&wait=20", headers=headers)
+    error_of(r, 429, "too_many_requests")
+    assert int(r.headers["Retry-After"]) >= 1
+    other = {"Authorization": f"Bearer {token('views:read', subject='another')}"}
+    r = client.get(f"/views/customers?consistent_with={tok}&wait=0", headers=other)
+    error_of(r, 504, "timeout")  # it waited its turn: another subject is not refused
+    assert per_subject < per_process
+    set_progress(deployment, "customers", {f"{topic}:0": RECORDED})
+    for t in waiting:
+        t.join(timeout=30)
+    assert answers == [200] * per_subject
+    assert "patient" not in model.waiters.subjects  # every place given back
 
 
 def test_a_real_commands_position(
@@ -911,10 +1019,12 @@ def test_a_row_claim_restricts_every_read_of_views_with_that_column(
 def test_a_malformed_row_claim_is_an_invalid_token(client: FlaskClient) -> None:
     import jwt
 
+    from stack.settings import JWT_AUDIENCE
     from tests.support import SECRET
 
     now = int(time.time())
     claims = {"sub": "x", "scope": "views:read", "iss": "logfold", "iat": now, "exp": now + 60}
+    claims["aud"] = JWT_AUDIENCE  # a valid token but for its claim
     for rows in ({}, {"customer_id": 7}, ["customer_id"], "c-1"):
         bad = jwt.encode({**claims, "rows": rows}, SECRET, algorithm="HS256")
         r = client.get("/views/orders", headers={"Authorization": f"Bearer {bad}"})

@@ -172,18 +172,37 @@ def test_app_environment(compose: dict[str, Any]) -> None:
     for name in APP_SERVICES:
         env = compose["services"][name]["environment"]
         assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092", name
-        assert env["DATABASE_URL"].startswith("postgresql://logfold:${LOGFOLD_PG_PASSWORD:?")
-        assert env["DATABASE_URL"].endswith("}@postgres:5432/logfold"), name
+        if name != "api":  # the API has a login of its own (test below)
+            assert env["DATABASE_URL"].startswith("postgresql://logfold:${LOGFOLD_PG_PASSWORD:?")
+            assert env["DATABASE_URL"].endswith("}@postgres:5432/logfold"), name
         # Required, with no fallback: Compose refuses to start without it, saying why.
         assert env["LOGFOLD_JWT_SECRET"].startswith("${LOGFOLD_JWT_SECRET:?"), name
         assert "32 bytes" in env["LOGFOLD_JWT_SECRET"], name
         assert "LOGFOLD_TOPIC_PREFIX" in env, name
 
 
+def test_the_api_logs_in_as_the_reader_and_never_as_the_owner(compose: dict[str, Any]) -> None:
+    """As under `logfold run`: the API's login (`logfold_api`, a member of `logfold_reader`,
+    made by `migrate`) reads the views and writes nothing; the owner's password is not in the
+    API's environment at all."""
+    services = compose["services"]
+    api, migrate = services["api"]["environment"], services["migrate"]["environment"]
+    url = api["LOGFOLD_API_DATABASE_URL"]
+    assert url.startswith("postgresql://logfold_api:${LOGFOLD_API_PG_PASSWORD:?"), url
+    assert url.endswith("}@postgres:5432/logfold"), url
+    assert "DATABASE_URL" not in api and "LOGFOLD_DATABASE_URL" not in api
+    assert not any("LOGFOLD_PG_PASSWORD" in str(value) for value in api.values()), api
+    # `logfold migrate` makes the login it is given (after the migrations that make the role).
+    assert migrate["LOGFOLD_API_DATABASE_URL"] == url
+    assert migrate["DATABASE_URL"].startswith("postgresql://logfold:${LOGFOLD_PG_PASSWORD:?")
+    for name in APP_SERVICES - {"api", "migrate"}:  # the writers keep the owner's login
+        assert "LOGFOLD_API_DATABASE_URL" not in services[name]["environment"], name
+
+
 def test_no_secret_has_a_default(compose: dict[str, Any]) -> None:
     """A default in a public file is a secret everyone knows (`${X:-…}` / `${X-…}`)."""
     text = COMPOSE_FILE.read_text(encoding="utf-8")
-    for variable in ("LOGFOLD_JWT_SECRET", "LOGFOLD_PG_PASSWORD"):
+    for variable in ("LOGFOLD_JWT_SECRET", "LOGFOLD_PG_PASSWORD", "LOGFOLD_API_PG_PASSWORD"):
         assert f"${{{variable}:-" not in text and f"${{{variable}-" not in text, variable
         assert f"${{{variable}:?" in text, variable
     postgres = compose["services"]["postgres"]["environment"]

@@ -4,7 +4,7 @@ starts after the fold's progress is a loss."""
 
 from __future__ import annotations
 
-from spark.gaps import Gaps
+from spark.gaps import Gaps, skipped
 
 
 class Broker(Gaps):
@@ -33,3 +33,11 @@ def test_a_longer_jump_is_a_loss_only_when_the_log_now_starts_after_the_progress
     assert broker.lost({"t:0": 9, "t:1": 9}, {"t:0": 20, "t:1": 50}) == {"t:1": (10, 50)}
     # Never applied anything, and the log starts at 7: 0..6 are gone.
     assert Broker({"t:2": 7}).lost({}, {"t:2": 7}) == {"t:2": (0, 7)}
+
+
+def test_in_a_changelog_any_offset_skipped_past_the_progress_was_removed_unread() -> None:
+    # One offset a record (CDC writes no transactions): the next offset, or nothing was lost.
+    assert skipped({"c:0": 9}, {"c:0": 10}) == {}
+    assert skipped({"c:0": 9, "d:0": 4}, {"c:0": 11, "d:0": 5}) == {"c:0": (10, 11)}
+    # Read from its start (no progress there): what it reads is all there is, as for a rebuild.
+    assert skipped({}, {"c:0": 7}) == {}

@@ -3,12 +3,14 @@ resends, rebuilds, and the bounded outbox of a slow client."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from kafka import TopicPartition
 
 from app.live import SLOW_CLOSE, Client, Hub, Subscription, Unservable
-from cdc.changes import Change, Position, Snapshot, widen
+from cdc.changes import Change, Position, Snapshot, record_for, widen
 
 
 def _hub(replay: int = 100) -> Hub:
@@ -176,3 +178,90 @@ def test_transaction_ids_compare_across_the_32_bit_wraparound() -> None:
     for bad in ("", "1:2", "x:2:", "5:3:", "1:5:7", "0:1:"):
         with pytest.raises(ValueError):
             Snapshot.parse(bad)
+
+
+# -- breaks in the history: records removed unread, or undecodable -------------------------------
+
+
+@dataclass
+class _Record:  # what the hub reads of a Kafka record
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+def _record(offset: int, change: Change) -> _Record:
+    key, value, headers = record_for(change, None)
+    return _Record(offset, key, value, headers)
+
+
+TP = TopicPartition("cdc.orders", 0)
+
+
+def _following(replay: int = 100) -> tuple[Hub, Client, Subscription]:
+    """A hub reading cdc.orders from offset 0, with one subscription from position 0."""
+    hub, client = _hub(replay), Client(100)
+    assert hub._resume("orders", TP, 0, 0) == 0
+    sub = _sub(client)
+    hub.subscribe(sub, Position(0, 0))
+    return hub, client, sub
+
+
+def test_records_removed_before_the_hub_read_them_resync_its_subscribers() -> None:
+    hub, client, _ = _following()
+    hub._take("orders", TP, [_record(0, _change(1, "o1", {"order_id": "o1"}))])
+    # Offsets 1 and 2 were removed (compacted, deleted) before the hub read them.
+    hub._take("orders", TP, [_record(3, _change(4, "o4", {"order_id": "o4"}))])
+    got = [m["type"] for m in _taken(client)]
+    assert got == ["change", "resync", "_resubscribe"]  # o4 only once a new snapshot is taken
+    assert hub.resyncs == 1 and hub.tables["orders"].next_offset == 4
+    hub.subscribe(_sub(Client(100)), Position(4, 1))  # from after the hole: served
+    with pytest.raises(Unservable):  # from before it: what it missed is unknown
+        hub.subscribe(_sub(Client(100)), Position(1, 1))
+
+
+def test_an_undecodable_record_is_counted_skipped_once_and_resyncs_its_subscribers() -> None:
+    hub, client, _ = _following()
+    good = _record(0, _change(1, "o1", {"order_id": "o1"}))
+    poison = _Record(1, b"{", b"not json", [("xid", b"120")])
+    hub._take("orders", TP, [good, poison, _record(2, _change(3, "o3", {"order_id": "o3"}))])
+    assert [m["type"] for m in _taken(client)] == ["change", "resync", "_resubscribe"]
+    assert hub.undecodable == 1 and hub.resyncs == 1
+    assert hub.last_undecodable is not None
+    assert {k: hub.last_undecodable[k] for k in ("topic", "partition", "offset")} == {
+        "topic": "cdc.orders",
+        "partition": 0,
+        "offset": 1,
+    }
+    assert hub.tables["orders"].next_offset == 3  # past it: a restart never reads it again
+    health = hub.health()
+    assert health["status"] == "up" and health["undecodable_records"] == 1
+    # A snapshot that might not see the undecodable record's transaction cannot be served.
+    with pytest.raises(Unservable):
+        hub.subscribe(_sub(Client(100)), Snapshot(110, 130, frozenset()))
+    hub.subscribe(_sub(Client(100)), Snapshot(121, 130, frozenset()))
+    for bad in (_Record(3, b"[1]", b'{"row": {}}', [("op", b"insert"), ("position", b"5.1")]),):
+        hub._take("orders", TP, [bad])  # a key that is not an object: undecodable too
+    assert hub.undecodable == 2
+
+
+def test_a_restart_resumes_right_after_the_last_record_taken() -> None:
+    hub, client, _ = _following(replay=2)
+    hub._take(
+        "orders", TP, [_record(i, _change(i + 1, f"o{i}", {"order_id": "x"})) for i in (0, 1)]
+    )
+    # The loop failed; 50 records came meanwhile: it goes on from offset 2, not from 50 - 2.
+    assert hub._resume("orders", TP, 0, 52) == 2
+    assert [m["type"] for m in _taken(client)] == ["change", "change"]
+    # The log now starts at 10 (2..9 deleted unread): the history breaks, read what is left.
+    assert hub._resume("orders", TP, 10, 52) == 10
+    assert [m["type"] for m in _taken(client)] == ["resync", "_resubscribe"]
+    assert hub._resume("orders", TP, 10, 52) == 10  # nothing read since: still there
+
+
+def test_a_first_start_reads_the_last_replay_records() -> None:
+    hub = _hub(replay=5)
+    assert hub._resume("orders", TP, 0, 100) == 95
+    with pytest.raises(Unservable):  # before the first record read: unknown
+        hub.subscribe(_sub(Client(100)), Position(1, 1))
