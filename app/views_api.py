@@ -63,6 +63,12 @@ def _lag() -> dict[str, dict[str, Any]]:
     return lag if has_scope("admin") else {name: public_lag(f) for name, f in lag.items()}
 
 
+def _bad_position(e: Exception, problem: str) -> ApiError:
+    return ApiError(
+        422, "validation_failed", str(e), [{"field": "consistent_with", "problem": problem}]
+    )
+
+
 def _consistent(projection: Fold) -> None:
     """Wait until the view includes `consistent_with` (query or X-Consistent-With), or 504."""
     token = request.args.get("consistent_with") or request.headers.get("X-Consistent-With")
@@ -71,22 +77,12 @@ def _consistent(projection: Fold) -> None:
     try:
         position = Position.parse(token)
     except ValueError as e:
-        raise ApiError(
-            422,
-            "validation_failed",
-            str(e),
-            [{"field": "consistent_with", "problem": "not a position token"}],
-        ) from e
+        raise _bad_position(e, "not a position token") from e
     wait = _number("wait", 5.0, 0.0, MAX_WAIT_S)
     try:
         reached = _model().wait_for(projection, position, wait, g.subject)
     except BeyondTheLog as e:
-        raise ApiError(
-            422,
-            "validation_failed",
-            str(e),
-            [{"field": "consistent_with", "problem": "beyond the end of the log"}],
-        ) from e
+        raise _bad_position(e, "beyond the end of the log") from e
     except TooManyWaiters as e:
         raise too_many(f"{e}; try again when one has answered") from e
     if not reached:

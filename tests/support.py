@@ -8,8 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 
 import psycopg
 import requests
+from flask import Flask
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app.auth import SCOPES, issue_token
 from cdc.changes import Change, Position, record_for
@@ -102,6 +105,70 @@ def new_deployment(base: Settings, **overrides: Any) -> Settings:
     )
     create_topics(settings)
     return settings
+
+
+@contextlib.contextmanager
+def served(settings: Settings) -> Iterator[tuple[str, Flask]]:
+    """The API app for `settings` on a free port of this process (werkzeug, threaded, so
+    websockets work): its websocket URL and the app; stopped and closed on exit."""
+    from werkzeug.serving import make_server
+
+    from app import close_app, create_app
+
+    app = create_app(settings)
+    port = free_port()
+    server = make_server("127.0.0.1", port, app, threaded=True)
+    threading.Thread(target=server.serve_forever, name="api", daemon=True).start()
+    try:
+        yield f"ws://127.0.0.1:{port}/ws", app
+    finally:
+        server.shutdown()
+        close_app(app)
+
+
+def end_offset(settings: Settings, topic: str, partition: int = 0) -> int:
+    """The end offset of one partition of `topic`, as it is now."""
+    consumer = KafkaConsumer(bootstrap_servers=settings.kafka())
+    try:
+        tp = TopicPartition(topic, partition)
+        return int(consumer.end_offsets([tp])[tp])
+    finally:
+        consumer.close()
+
+
+def delete_records(settings: Settings, topic: str, before: int) -> None:
+    """Delete `topic`'s records before offset `before`, as retention (or compaction past
+    `delete.retention.ms`) removes them."""
+    spec = Topics(settings.topic_prefix).spec(topic)
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
+
+    def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
+        configs = {**spec.configs, "cleanup.policy": value}
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+
+    try:
+        policy("compact,delete")  # Kafka deletes records only from topics that allow it
+        admin.delete_records({TopicPartition(topic, 0): before})
+        policy("compact")
+    finally:
+        admin.close()
+
+
+class Joins:
+    """Join pipelines of a deployment, in this process (as the projector runs them)."""
+
+    def __init__(self, settings: Settings, spark: Any, joins: tuple[Any, ...]) -> None:
+        from spark.projector import Projector
+
+        self.projector = Projector(settings, spark, projections=(), joins=joins)
+
+    def start(self) -> None:
+        self.projector.start("joins")
+
+    def stop(self) -> None:
+        for query in self.projector.queries.values():
+            query.stop()
+        self.projector.queries.clear()
 
 
 def fill_log(settings: Settings, topic: str, partitions: int, records: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
@@ -23,7 +22,6 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.formats import get_default_format_strategies
-from werkzeug.serving import make_server
 
 from app import close_app, create_app
 from app.views_api import MAX_LIMIT
@@ -31,10 +29,9 @@ from commands.messages import Position
 from commands.processor import CommandProcessor
 from projections.registry import VIEWS
 from stack.migrate import sqlalchemy_url
-from stack.procs import free_port
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import token
+from tests.support import served, token
 from tests.wsclient import WsClient
 
 pytestmark = pytest.mark.integration
@@ -218,35 +215,34 @@ HOSTILE: list[str | bytes] = [
 ]
 
 
-def test_hostile_websocket_messages_get_errors_and_never_crash_the_connection(
-    deployment: Settings,
-) -> None:
-    app = create_app(deployment)
-    port = free_port()
-    server = make_server("127.0.0.1", port, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = WsClient(f"ws://127.0.0.1:{port}/ws", token("views:read"))
-    try:
-        for message in HOSTILE:
-            if isinstance(message, bytes):
-                client.ws.send_binary(message)
-            else:
-                client.ws.send(message)
-        client.wait_for(
-            lambda: sum(m["type"] == "error" for m in client.messages) >= len(HOSTILE),
-            "an error for every hostile message",
-        )
-        errors = [m for m in client.messages if m["type"] == "error"]
-        for error in errors:
-            assert set(error) >= {"type", "id", "code", "message"}, error
-            assert error["code"] in ("malformed_json", "validation_failed", "not_found"), error
-        assert client.close_code is None  # still open, still useful:
-        client.subscribe("ok", "books")
-        client.wait_for(lambda: bool(client.of("ok", "snapshot")), "a snapshot after all that")
-    finally:
+@pytest.fixture
+def ws(deployment: Settings) -> Iterator[WsClient]:
+    """A `views:read` websocket client of an API served for this test."""
+    with served(deployment) as (url, _):
+        client = WsClient(url, token("views:read"))
+        yield client
         client.close()
-        server.shutdown()
-        close_app(app)
+
+
+def test_hostile_websocket_messages_get_errors_and_never_crash_the_connection(
+    ws: WsClient,
+) -> None:
+    for message in HOSTILE:
+        if isinstance(message, bytes):
+            ws.ws.send_binary(message)
+        else:
+            ws.ws.send(message)
+    ws.wait_for(
+        lambda: sum(m["type"] == "error" for m in ws.messages) >= len(HOSTILE),
+        "an error for every hostile message",
+    )
+    errors = [m for m in ws.messages if m["type"] == "error"]
+    for error in errors:
+        assert set(error) >= {"type", "id", "code", "message"}, error
+        assert error["code"] in ("malformed_json", "validation_failed", "not_found"), error
+    assert ws.close_code is None  # still open, still useful:
+    ws.subscribe("ok", "books")
+    ws.wait_for(lambda: bool(ws.of("ok", "snapshot")), "a snapshot after all that")
 
 
 class LostAnswer:
@@ -264,27 +260,15 @@ class LostAnswer:
 
 
 def test_a_kafka_failure_in_a_consistency_wait_is_an_error_and_the_socket_stays(
-    deployment: Settings, monkeypatch: pytest.MonkeyPatch
+    ws: WsClient, deployment: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = create_app(deployment)
-    port = free_port()
-    server = make_server("127.0.0.1", port, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    client = WsClient(f"ws://127.0.0.1:{port}/ws", token("views:read"))
     monkeypatch.setattr("app.read_model.KafkaConsumer", LostAnswer)
-    try:
-        # Never reached, so the wait times out at once and reads the lag: from Kafka.
-        far = Position(Topics(deployment.topic_prefix).events("order"), 0, 10**9).token()
-        client.send(
-            {"op": "subscribe", "id": "w", "view": "orders", "consistent_with": far, "wait": 0}
-        )
-        client.wait_for(lambda: bool(client.of("w", "error")), "an error for the wait")
-        assert client.of("w", "error")[0]["code"] == "unavailable"
-        monkeypatch.undo()
-        client.subscribe("ok", "books")
-        client.wait_for(lambda: bool(client.of("ok", "snapshot")), "a snapshot afterwards")
-        assert client.close_code is None
-    finally:
-        client.close()
-        server.shutdown()
-        close_app(app)
+    # The wait first looks where the log ends: in Kafka.
+    far = Position(Topics(deployment.topic_prefix).events("order"), 0, 10**9).token()
+    ws.send({"op": "subscribe", "id": "w", "view": "orders", "consistent_with": far, "wait": 0})
+    ws.wait_for(lambda: bool(ws.of("w", "error")), "an error for the wait")
+    assert ws.of("w", "error")[0]["code"] == "unavailable"
+    monkeypatch.undo()
+    ws.subscribe("ok", "books")
+    ws.wait_for(lambda: bool(ws.of("ok", "snapshot")), "a snapshot afterwards")
+    assert ws.close_code is None

@@ -12,14 +12,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from kafka import KafkaConsumer, TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from projections.registry import JOINS
 from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
-from tests.support import append_changes, projector_session
+from tests.support import Joins, append_changes, delete_records, end_offset, projector_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -55,52 +53,10 @@ def _progress(settings: Settings) -> tuple[int, str | None]:
     return int(row[0]), row[1]
 
 
-def _end(settings: Settings, topic: str) -> int:
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka())
-    try:
-        tp = TopicPartition(topic, 0)
-        return int(consumer.end_offsets([tp])[tp])
-    finally:
-        consumer.close()
-
-
-def _delete_records(settings: Settings, topic: str, before: int) -> None:
-    """Delete `topic`'s records before offset `before`, as retention (or compaction past
-    `delete.retention.ms`) removes them."""
-    spec = Topics(settings.topic_prefix).spec(topic)
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
-
-    def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
-        configs = {**spec.configs, "cleanup.policy": value}
-        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
-
-    try:
-        policy("compact,delete")  # Kafka deletes records only from topics that allow it
-        admin.delete_records({TopicPartition(topic, 0): before})
-        policy("compact")
-    finally:
-        admin.close()
-
-
-class Joins:
-    def __init__(self, settings: Settings, spark: Any) -> None:
-        from spark.projector import Projector
-
-        self.projector = Projector(settings, spark, projections=(), joins=(SUMMARIES,))
-
-    def start(self) -> None:
-        self.projector.start("joins")
-
-    def stop(self) -> None:
-        for query in self.projector.queries.values():
-            query.stop()
-        self.projector.queries.clear()
-
-
 @pytest.fixture(scope="module")
 def joins(deployment: Settings) -> Iterator[Joins]:
     spark = projector_session(deployment, "logfold-join-gap-tests")
-    running = Joins(deployment, spark)
+    running = Joins(deployment, spark, (SUMMARIES,))
     yield running
     running.stop()
     spark.stop()
@@ -141,7 +97,7 @@ def test_a_join_that_missed_a_removed_delete_is_rebuilt(deployment: Settings, jo
             ("update", {"customer_id": ada}, _customer(ada, "Ada L."), _position()),
         ],
     )
-    _delete_records(deployment, customers, _end(deployment, customers) - 1)
+    delete_records(deployment, customers, end_offset(deployment, customers) - 1)
 
     joins.start()
     wait_until(

@@ -29,9 +29,11 @@ from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
 from tests.support import (
+    Joins,
     Processes,
     append_changes,
     cli,
+    end_offset,
     fill_log,
     projector_session,
     send_again,
@@ -195,26 +197,9 @@ def spark(deployment: Settings) -> Iterator[Any]:
     s.stop()
 
 
-class Jobs:
-    """The join pipeline of the deployment, in this process (as the projector runs it)."""
-
-    def __init__(self, settings: Settings, spark: Any) -> None:
-        from spark.projector import Projector
-
-        self.projector = Projector(settings, spark, projections=(), joins=tuple(JOINS.values()))
-
-    def start(self) -> None:
-        self.projector.start("joins")
-
-    def stop(self) -> None:
-        for query in self.projector.queries.values():
-            query.stop()
-        self.projector.queries.clear()
-
-
 @pytest.fixture(scope="module")
-def jobs(deployment: Settings, spark: Any) -> Iterator[Jobs]:
-    running = Jobs(deployment, spark)
+def jobs(deployment: Settings, spark: Any) -> Iterator[Joins]:
+    running = Joins(deployment, spark, tuple(JOINS.values()))
     running.start()
     yield running
     running.stop()
@@ -229,7 +214,7 @@ def oracle() -> Oracle:
 
 
 def test_an_order_with_its_customer_becomes_a_summary(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     cid, oid, orphan = uid("c"), uid("o"), uid("o")
     oracle.append(deployment, "customers", (cid, customer(cid, "Ada")))
@@ -242,7 +227,7 @@ def test_an_order_with_its_customer_becomes_a_summary(
 
 
 def test_renaming_a_customer_updates_every_summary_of_that_customer_and_no_other(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     ada, bob = uid("c"), uid("c")
     ada_orders, bob_orders = [uid("o") for _ in range(3)], [uid("o") for _ in range(2)]
@@ -268,7 +253,7 @@ def test_renaming_a_customer_updates_every_summary_of_that_customer_and_no_other
 
 
 def test_an_order_change_updates_only_its_row(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     cid, first, second = uid("c"), uid("o"), uid("o")
     oracle.append(deployment, "customers", (cid, customer(cid, "Cy")))
@@ -288,7 +273,7 @@ def test_an_order_change_updates_only_its_row(
 
 
 def test_an_order_moving_to_another_customer_follows_it(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     old, new, oid = uid("c"), uid("c"), uid("o")
     oracle.append(deployment, "customers", (old, customer(old, "Old")), (new, customer(new, "New")))
@@ -303,7 +288,7 @@ def test_an_order_moving_to_another_customer_follows_it(
 
 
 def test_deleting_a_customer_or_an_order_deletes_their_summaries(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     gone, kept = uid("c"), uid("c")
     gone_orders, kept_orders = [uid("o") for _ in range(2)], [uid("o") for _ in range(2)]
@@ -332,7 +317,7 @@ def test_deleting_a_customer_or_an_order_deletes_their_summaries(
 
 
 def test_a_resent_older_change_changes_nothing(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     """After a restart CDC resends changes the join already has: duplicates, older versions of
     a row, and the insert of a row deleted since. None may move the view backwards."""
@@ -367,7 +352,7 @@ def test_a_resent_older_change_changes_nothing(
 
 
 def test_join_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     """The joins' real-time query delivers at least once too (a retried task starts again from
     its epoch's first offsets), and a stopped query's rows may still be in flight: a record the
@@ -419,7 +404,7 @@ def test_author_profiles_is_a_plain_table_written_with_sql(deployment: Settings)
 
 
 def test_author_pages_follow_royalties_and_profiles(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     author, other = uid("Author"), uid("Author")
     royalty = {"author": author, "royalty_cents": 420, "units_sold": 3}
@@ -464,7 +449,7 @@ def api(deployment: Settings) -> Iterator[FlaskClient]:
 
 
 def test_joined_views_are_served_like_the_others(
-    deployment: Settings, jobs: Jobs, oracle: Oracle, api: FlaskClient
+    deployment: Settings, jobs: Joins, oracle: Oracle, api: FlaskClient
 ) -> None:
     cid, orders = uid("c"), sorted(uid("o") for _ in range(3))
     oracle.append(deployment, "customers", (cid, customer(cid, "Served")))
@@ -488,16 +473,6 @@ def test_joined_views_are_served_like_the_others(
     )
     assert api.get("/views/order_summaries?customer_name=x", headers=AUTH).status_code == 422
     assert api.get(f"/views/order_summaries/{uid('o')}", headers=AUTH).status_code == 404
-
-
-def end_offset(settings: Settings, topic: str) -> int:
-    """The end offset of `topic`'s partition 0."""
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka())
-    try:
-        part = TopicPartition(topic, 0)
-        return int(consumer.end_offsets([part])[part])
-    finally:
-        consumer.close()
 
 
 def test_a_joined_view_does_not_include_a_position_before_the_join_has_seen_it(
@@ -566,7 +541,7 @@ class Churn:
 
 
 def test_stopping_the_join_mid_stream_loses_and_doubles_nothing(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     with Churn(deployment, oracle, seed=3):
         for _ in range(3):
@@ -585,7 +560,7 @@ def test_stopping_the_join_mid_stream_loses_and_doubles_nothing(
 
 
 def test_kill_9_of_the_projector_mid_stream_loses_and_doubles_nothing(
-    deployment: Settings, jobs: Jobs, oracle: Oracle, tmp_path: Any
+    deployment: Settings, jobs: Joins, oracle: Oracle, tmp_path: Any
 ) -> None:
     """The joins run in `logfold projector` like the projections; kill -9 it twice meanwhile."""
     jobs.stop()
@@ -622,7 +597,7 @@ def state(settings: Settings) -> list[Any]:
 
 
 def test_rebuild_verify_equals_the_live_views_and_bumps_their_generation(
-    deployment: Settings, jobs: Jobs, oracle: Oracle
+    deployment: Settings, jobs: Joins, oracle: Oracle
 ) -> None:
     settled(deployment, oracle, SUMMARIES, PAGES)
     rows, written, kept = (
@@ -649,7 +624,7 @@ def test_rebuild_verify_equals_the_live_views_and_bumps_their_generation(
 
 
 def test_rebuild_verify_reports_and_repairs_a_view_that_went_wrong(
-    deployment: Settings, jobs: Jobs, oracle: Oracle, spark: Any
+    deployment: Settings, jobs: Joins, oracle: Oracle, spark: Any
 ) -> None:
     from spark.join import JoinRebuild
 

@@ -6,6 +6,7 @@ never a silent jump. Real Kafka, Postgres and CDC; a server keeping 5 changes pe
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,14 +14,11 @@ from typing import Any
 
 import pytest
 from flask import Flask
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
-from werkzeug.serving import make_server
+from kafka import KafkaProducer
 
-from app import close_app, create_app
 from app.live import Hub
 from cdc.capture import Capture
-from stack.procs import free_port, wait_until
+from stack.procs import wait_until
 from stack.settings import Settings
 from stack.topics import Topics
 from tests.changes import (
@@ -30,7 +28,7 @@ from tests.changes import (
     table_versions,
     versions_seen,
 )
-from tests.support import health_component, token
+from tests.support import delete_records, end_offset, health_component, served, token
 from tests.wsclient import WsClient, fold
 
 pytestmark = pytest.mark.integration
@@ -43,20 +41,14 @@ Serve = Callable[..., tuple[Flask, str, Hub]]
 
 @pytest.fixture(scope="module")
 def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
-    servers: list[Any] = []
+    with contextlib.ExitStack() as servers:
 
-    def start() -> tuple[Flask, str, Hub]:
-        app = create_app(deployment.model_copy(update={"ws_replay": REPLAY}))
-        port = free_port()
-        server = make_server("127.0.0.1", port, app, threaded=True)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append((server, app))
-        return app, f"ws://127.0.0.1:{port}/ws", app.extensions["logfold.hub"]
+        def start() -> tuple[Flask, str, Hub]:
+            settings = deployment.model_copy(update={"ws_replay": REPLAY})
+            url, app = servers.enter_context(served(settings))
+            return app, url, app.extensions["logfold.hub"]
 
-    yield start
-    for server, app in servers:
-        server.shutdown()
-        close_app(app)
+        yield start
 
 
 class Failing:
@@ -134,20 +126,14 @@ def _every_change_or_a_resync(messages: list[dict[str, Any]], final: dict[str, i
     assert_consecutive(versions_seen(stretches[-1]), final)
 
 
-def _end(settings: Settings) -> int:
-    tp = TopicPartition(Topics(settings.topic_prefix).cdc("customers"), 0)
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka())
-    try:
-        return int(consumer.end_offsets([tp])[tp])
-    finally:
-        consumer.close()
-
-
 def _written_while_away(settings: Settings, keys: list[str], updates: int) -> dict[str, int]:
     """Make `updates` updates and wait until CDC has put them in the changelog."""
-    before = _end(settings)
+    changelog = Topics(settings.topic_prefix).cdc("customers")
+    before = end_offset(settings, changelog)
     Writer(settings, keys, total=updates).run()
-    wait_until(lambda: _end(settings) >= before + updates, 60, "CDC to write the updates")
+    wait_until(
+        lambda: end_offset(settings, changelog) >= before + updates, 60, "CDC to write the updates"
+    )
     return table_versions(settings, keys)
 
 
@@ -227,21 +213,9 @@ def test_records_deleted_before_the_hub_read_them_resync_its_subscribers(
     client = _subscribe(url, group)
     client.wait_for(_has_snapshot(client), "snapshot")
     topic = Topics(deployment.topic_prefix).cdc("customers")
-    spec = Topics(deployment.topic_prefix).spec(topic)
-    admin = KafkaAdminClient(bootstrap_servers=deployment.kafka())
-
-    def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
-        configs = {**spec.configs, "cleanup.policy": value}
-        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
-
-    try:
-        with Failing(hub):
-            final = _written_while_away(deployment, keys, 10)
-            policy("compact,delete")  # Kafka deletes records only from topics that allow it
-            admin.delete_records({TopicPartition(topic, 0): _end(deployment)})
-            policy("compact")
-    finally:
-        admin.close()
+    with Failing(hub):
+        final = _written_while_away(deployment, keys, 10)
+        delete_records(deployment, topic, end_offset(deployment, topic))
 
     client.wait_for(_holds(client, final), "a resync and a new snapshot", 60)
     messages = client.of("s")

@@ -8,16 +8,12 @@ from __future__ import annotations
 import base64
 import os
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
-from werkzeug.serving import make_server
 
-from app import close_app, create_app
-from stack.procs import free_port
 from stack.settings import Settings
-from tests.support import token
+from tests.support import served, token
 from tests.wsclient import WsClient
 
 pytestmark = pytest.mark.integration
@@ -42,13 +38,8 @@ def settings(deployment: Settings) -> Settings:
 
 @pytest.fixture(scope="module")
 def url(settings: Settings) -> Iterator[str]:
-    app = create_app(settings)
-    port = free_port()
-    server = make_server("127.0.0.1", port, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"ws://127.0.0.1:{port}/ws"
-    server.shutdown()
-    close_app(app)
+    with served(settings) as (ws_url, _):
+        yield ws_url
 
 
 def handshakes(url: str, n: int) -> tuple[list[socket.socket], list[bytes]]:
