@@ -6,7 +6,7 @@ help:
 	@echo "make test       run every test (unit, integration, e2e) against real Kafka/Postgres"
 	@echo "make test-unit  only the fast unit tests"
 	@echo "make lint       ruff + mypy"
-	@echo "make bench      benchmarks (results go to docs/benchmarks.md by hand)"
+	@echo "make bench      benchmarks (results in bench/results/; the figures on docs/benchmarks.md)"
 	@echo "make bench-live websocket push benchmarks: freshness and 1,000-subscriber fan-out"
 
 bootstrap:

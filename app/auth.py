@@ -104,7 +104,7 @@ def _config(key: str, default: Any) -> Any:
 def _signed_claims(token: str, secret: str, audience: str) -> dict[str, Any]:
     """The claims of a token signed with `secret` (expiry checked by the caller, per use).
     Remembered: a client sends the same token with every request, and checking its signature
-    and claims each time was a sixth of a command's time in the API (docs/benchmarks.md).
+    and claims each time was a sixth of a command's time in the API (docs/benchmarks-journal.md).
     Callers must not modify the returned dict."""
     claims: dict[str, Any] = jwt.decode(
         token,

@@ -1,4 +1,4 @@
-"""Every error leaves the API as `{"error": {"code", "message", "details"}}` (API.md)."""
+"""Every error leaves the API as `{"error": {"code", "message", "details"}}` (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def build_spec() -> dict[str, Any]:
         "info": {
             "title": "Logfold",
             "version": "0.1.0",
-            "description": "Commands in, events to Kafka, views out. See API.md.",
+            "description": "Commands in, events to Kafka, views out. See docs/api.md.",
         },
         "security": [{"bearer": []}],
         "components": {
@@ -259,7 +259,7 @@ def stream_paths(errors: dict[str, Any]) -> dict[str, Any]:
 
 def view_paths(errors: dict[str, Any]) -> dict[str, Any]:
     """`GET /views`, and for every view its rows (filters, paging, read-your-writes) and one row
-    by key. A token's row claim narrows every one of them (API.md, Auth)."""
+    by key. A token's row claim narrows every one of them (docs/api.md, Auth)."""
     failures = _pick(errors, "401", "403", "404", "422", "429", "503", "504")
     paths: dict[str, Any] = {
         "/views": {

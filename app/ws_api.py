@@ -1,4 +1,4 @@
-"""`/ws`: subscribe to views and receive their changes (protocol in API.md, design in
+"""`/ws`: subscribe to views and receive their changes (protocol in docs/api.md, design in
 app/live.py).
 
 Each connection has two threads: this handler, which reads the client's messages, and a sender

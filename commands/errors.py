@@ -1,4 +1,4 @@
-"""Why a command was refused, as values with the codes of API.md's error table."""
+"""Why a command was refused, as values with the codes of docs/api.md's error table."""
 
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def _decide(
         return Outcome(404, error_body("not_found", f"unknown command {msg.name!r}"))
     # Validated again, although the API did: the commands topic is a boundary too, and a
     # processor must not turn a record it did not check into events. It costs 2 µs for
-    # `rename-customer`, 40 µs with an email address (docs/benchmarks.md).
+    # `rename-customer`, 40 µs with an email address (docs/benchmarks-journal.md).
     try:
         command = spec.build(spec.schema.model_validate(msg.data).model_dump())
     except ValidationError as e:

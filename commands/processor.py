@@ -129,7 +129,7 @@ class PartitionOwner:
             linger_ms=1,
             transaction_timeout_ms=30000,
             # A new transaction waits for the previous one's markers; the 100 ms default backoff
-            # caps a partition at ~10 transactions/s (measured: see docs/benchmarks.md).
+            # caps a partition at ~10 transactions/s (measured: see docs/benchmarks-journal.md).
             retry_backoff_ms=10,
             max_block_ms=int(settings.kafka_timeout_s * 1000),
             # A send the broker has not acknowledged in this time fails the transaction, and the

@@ -51,7 +51,7 @@ def _pydantic_type(tp: Any) -> Any:
 
 def details(e: ValidationError, prefix: tuple[str, ...] = ()) -> list[dict[str, str]]:
     """pydantic's errors as the contract's `details`: `{"field": "data.lines.0.quantity",
-    "problem": "..."}` (API.md); the one place that turns one into the other."""
+    "problem": "..."}` (docs/api.md); the one place that turns one into the other."""
     return [
         {"field": ".".join(str(p) for p in (*prefix, *err["loc"])), "problem": err["msg"]}
         for err in e.errors()

@@ -2,7 +2,7 @@
 
 Every record the write side stores or sends is JSON encoded once, by orjson (dataclasses
 directly, no intermediate dict): the standard library's encoder was a tenth of a processor's
-CPU per command (docs/benchmarks.md)."""
+CPU per command (docs/benchmarks-journal.md)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _build(tp: Any, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Envelope:
-    """One event as stored: the metadata from API.md around the event's `data`."""
+    """One event as stored: the metadata from docs/api.md around the event's `data`."""
 
     event_id: str
     type: str

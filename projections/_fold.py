@@ -213,7 +213,8 @@ class Rows:
     whole log (`rows_frame`, for a rebuild's folds and COPYs) explode the elements first and
     evaluate `make` on the exploded rows. Spark generates no code for higher-order functions,
     and one in a plan makes its whole stage run interpreted: the paid lines' rows took 4x as
-    long to build that way, their views' loads up to twice (`docs/benchmarks.md`, rebuild)."""
+    long to build that way, their views' loads up to twice (`docs/benchmarks-journal.md`,
+    rebuild)."""
 
     parts: tuple[_One | _Each | _Array, ...]
 

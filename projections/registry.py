@@ -2,7 +2,7 @@
 (folds events) or `join` (joins two captured tables from their changelogs).
 
 Adding a view = a module here (its table and transform, or its join) + a migration; nothing else.
-Importing this module never loads Spark (transforms import it when they run)."""
+Importing this module never loads Spark (a transform imports pyspark when it runs)."""
 
 from __future__ import annotations
 

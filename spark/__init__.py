@@ -1,1 +1,1 @@
-"""Spark jobs: the streaming projector, the rebuild, and (later) the join job."""
+"""Spark jobs: the streaming projector (the events query and the joins query), the rebuild."""

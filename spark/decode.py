@@ -77,7 +77,7 @@ def data_schema() -> StructType:
 # The fields of `data`, decoded with the envelope in one pass of Spark's JSON reader. A
 # projection reads them by name (`projections._fold.field`) instead of parsing the JSON text
 # again for each field and each view: a rebuild of 1M events took 0.69x the time
-# (`docs/benchmarks.md`, rebuild).
+# (`docs/benchmarks-journal.md`, rebuild).
 DATA = data_schema()
 
 # The stored envelope as Spark reads it, `data` decoded into its fields (`DATA`).
@@ -157,7 +157,7 @@ def parse_events(raw: DataFrame, streams: Mapping[str, str] | None = None) -> Da
     # Each record is parsed once, in a projection of its own that the next one reads: had the
     # columns below read the fields of a `from_json` directly, Spark's optimizer would have
     # given each its own `from_json` of only that field, every one parsing the whole record
-    # again (three parses a record; the decode took 1.5x as long, `docs/benchmarks.md`).
+    # again (three parses a record; the decode took 1.5x as long, `docs/benchmarks-journal.md`).
     parsed = raw.where(F.col("value").isNotNull()).select(
         "topic",
         "partition",
@@ -268,7 +268,8 @@ def kafka_options(bootstrap: str) -> dict[str, str]:
 
 
 # A batch read fetches up to 16 MB of a partition at a time (the consumer's default is 1 MB):
-# reading a million records took 2.2-2.6 s against 3.1-3.5 s (`docs/benchmarks.md`, rebuild).
+# reading a million records took 2.2-2.6 s against 3.1-3.5 s (`docs/benchmarks-journal.md`,
+# rebuild).
 # A live batch's read of a few records gets what is there either way.
 BATCH_FETCH = {
     "kafka.max.partition.fetch.bytes": str(16 << 20),

@@ -64,7 +64,7 @@ SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
 AT_ONCE = 2  # projections rebuilt at once (each loaded, then swapped)
 # Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
-# of sorting both copies on disk, `docs/benchmarks.md`, rebuild) and for building a shadow's
+# of sorting both copies on disk, `docs/benchmarks-journal.md`, rebuild) and for building a shadow's
 # indexes and keys after its load, and an empty state table's indexes after the swap fills it.
 WORK_MEM = "256MB"
 

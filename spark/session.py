@@ -20,7 +20,8 @@ FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spa
 # Classes of generated code a process keeps compiled (Spark's default: 100). A rebuild of
 # every view generates ~120: with 100, each rebuild evicted the classes the next one needed
 # first, so every rebuild compiled them all again, and the JVM then compiled them again to
-# machine code: about a third of the JVM's CPU in a warm rebuild (`docs/benchmarks.md`, rebuild).
+# machine code: about a third of the JVM's CPU in a warm rebuild (`docs/benchmarks-journal.md`,
+# rebuild).
 CODEGEN_CACHE = 1000
 CHECKPOINT_FILE_MANAGER = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
@@ -82,11 +83,11 @@ def session(
         # Those two files through Hadoop's FileSystem API, not its FileContext API (Spark's
         # default for checkpoints): writing a file and renaming it into place took ~20 ms
         # through FileContext and ~4 ms this way, twice in every micro-batch
-        # (`docs/benchmarks.md`, freshness). A local rename is atomic either way.
+        # (`docs/benchmarks-journal.md`, freshness). A local rename is atomic either way.
         .config("spark.sql.streaming.checkpointFileManagerClass", CHECKPOINT_FILE_MANAGER)
         # A decoded batch is cached once and read by every projection: cached uncompressed it
         # is built faster and read faster, for ~1.2x its memory (a rebuild's 1M events: 420
-        # MB compressed, 497 MB not; `docs/benchmarks.md`, rebuild).
+        # MB compressed, 497 MB not; `docs/benchmarks-journal.md`, rebuild).
         .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
         .getOrCreate()
     )
@@ -112,7 +113,7 @@ def idle_poll(spark: SparkSession, ms: int) -> None:
 # keeps those regardless), each only makes the plan faster to run, which on a few records is
 # worth less than the rule's own time. Spark optimises every micro-batch's plan twice (to run
 # it, and again to describe it), and for the event query's rows expressions these rules took
-# half of that (`docs/benchmarks.md`, freshness: queryPlanning 30 -> 15 ms a batch).
+# half of that (`docs/benchmarks-journal.md`, freshness: queryPlanning 30 -> 15 ms a batch).
 _OPTIMIZER = "org.apache.spark.sql.catalyst.optimizer"
 LEAN_EXCLUDED_RULES = (
     *(

@@ -266,7 +266,7 @@ def replace_contents(
 
     The differences come from one join of the two tables by key (a row whose columns are not
     all the same on both sides), which reads each table once: comparing them with `EXCEPT`,
-    once for the rows and once for the keys, took twice as long (`docs/benchmarks.md`,
+    once for the rows and once for the keys, took twice as long (`docs/benchmarks-journal.md`,
     rebuild). An empty `target` (a view no projector has filled) takes every row of `source`
     in one plain insert, with nothing to compare: 1.4-1.9x faster into a view with its
     indexes.
@@ -274,8 +274,8 @@ def replace_contents(
     `private`: no reader but the projection's own merge reads `target` (a projection's state),
     and that merge waits for the caller's lock on the projection's progress. An empty one is
     then filled without its secondary indexes, which are built again after the insert, in the
-    same transaction: 2.2x faster for a million rows (`docs/benchmarks.md`, rebuild). Dropping
-    an index locks the table until the commit, which is why readers' tables keep theirs."""
+    same transaction: 2.2x faster for a million rows (`docs/benchmarks-journal.md`, rebuild).
+    Dropping an index locks the table until the commit, which is why readers' tables keep theirs."""
     cols, keys = ", ".join(columns), ", ".join(key)
     empty = conn.execute(f"SELECT NOT EXISTS (SELECT FROM {target})").fetchone()
     if empty and empty[0]:
@@ -364,7 +364,7 @@ def bulk_load(database_url: str, rows: DataFrame, table: str, columns: tuple[str
     """COPY `rows` into `table` (`columns` in that order), each Spark partition in its own
     connection and transaction; returns the rows written. Spark hands the rows to Python as
     Arrow batches, written to Postgres as CSV: several times faster than row by row
-    (`docs/benchmarks.md`, rebuild)."""
+    (`docs/benchmarks-journal.md`, rebuild)."""
     statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT csv)"
 
     def load(batches: Iterator[Any]) -> Iterator[Any]:

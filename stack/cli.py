@@ -25,7 +25,7 @@ def main() -> None:
     """Logfold: commands in, events to Kafka, views out.
 
     Configuration comes from the environment (LOGFOLD_*, KAFKA_BOOTSTRAP_SERVERS, DATABASE_URL);
-    see the README for every setting.
+    see docs/configuration.md for every setting.
     """
 
 

@@ -132,7 +132,7 @@ class LocalPostgres:
                     "--locale=C.UTF-8",
                     # Text compared by its bytes: the same order as C.UTF-8's (code points),
                     # but Postgres sorts and indexes it without the C library's collation
-                    # (index builds and sorts of ids ~2x faster, `docs/benchmarks.md`).
+                    # (index builds and sorts of ids ~2x faster, `docs/benchmarks-journal.md`).
                     "--lc-collate=C",
                 ],
                 check=True,

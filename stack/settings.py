@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     api_port: int = 8000
     # API processes (gunicorn workers) of `logfold api` and `logfold run`: one process is held
     # to one core by Python's GIL; two served 17% more commands/s at saturation on 2 cores
-    # (docs/benchmarks.md), and the same at 50 commands/s.
+    # (docs/benchmarks-journal.md), and the same at 50 commands/s.
     api_workers: int = Field(default=2, ge=1)
     api_threads: int = Field(default=512, ge=8)  # per process; each open websocket holds one
     # Threads of an API process that websockets never take: REST keeps answering however many
@@ -99,7 +99,7 @@ class Settings(BaseSettings):
     spark_joins_idle_poll_ms: int = Field(default=250, ge=1, le=5000)
     # The projector's JVM (with local Spark): its micro-batches are small and many, and the
     # optimising JIT compiler (C2) spent a third of a core recompiling Spark's planner while
-    # they ran; the quick one alone halved a view's lag on 2 cores (docs/benchmarks.md).
+    # they ran; the quick one alone halved a view's lag on 2 cores (docs/benchmarks-journal.md).
     projector_java_options: str = "-XX:TieredStopAtLevel=1"
     # The event pipeline's live path in Spark's real-time mode (each event on its own, as it
     # arrives; `docs/design.md`); off, or without a task slot per partition it reads (a local

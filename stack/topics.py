@@ -174,7 +174,7 @@ class Topics:
 
 
 def captured_tables() -> list[str]:
-    from projections.registry import CAPTURED  # the projections' import is heavy (Spark)
+    from projections.registry import CAPTURED  # every view module (no Spark), on first use
 
     return list(CAPTURED)
 

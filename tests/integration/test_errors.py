@@ -1,4 +1,4 @@
-"""Every row of API.md's error table, against real Kafka: the status, the JSON error body, a
+"""Every row of docs/api.md's error table, against real Kafka: the status, the JSON error body, a
 message that helps, and that a refused command left the log exactly as it was."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def send(
 
 
 def error_of(r: TestResponse, status: int, code: str) -> dict[str, Any]:
-    """Assert the API.md error shape and return `error`."""
+    """Assert the docs/api.md error shape and return `error`."""
     assert r.status_code == status, r.get_data(as_text=True)[:2000]
     assert r.mimetype == "application/json", r.headers
     error = r.get_json()["error"]

@@ -1,4 +1,4 @@
-"""The projector runs unchanged under `spark-submit`, as the README shows for a cluster
+"""The projector runs unchanged under `spark-submit`, as docs/operations.md shows for a cluster
 (here with a local master)."""
 
 from __future__ import annotations
