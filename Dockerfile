@@ -19,7 +19,7 @@ ENV LOGFOLD_HOME=/opt/logfold
 WORKDIR /src
 COPY . .
 RUN pip install "." \
-    && python -c "from spark.session import kafka_jars; from stack.settings import Settings; kafka_jars(Settings())" \
+    && python -c "from spark.session import kafka_jars; from config.settings import Settings; kafka_jars(Settings())" \
     && rm -rf /src /root/.m2
 
 # Unprivileged runtime user; /var/lib/logfold holds local state (e.g. Spark checkpoints).

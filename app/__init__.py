@@ -17,9 +17,9 @@ from app.metrics import Metrics
 from app.openapi import build_spec
 from app.read_model import ReadModel
 from commands.bus import CommandBus
+from config.settings import Settings
+from config.topics import Topics
 from projections.registry import CAPTURED
-from stack.settings import Settings
-from stack.topics import Topics
 from streams.ingest import Ingestion
 
 

@@ -13,7 +13,7 @@ import jwt
 from flask import current_app, g, has_app_context, request
 
 from app.errors import ApiError
-from stack.settings import JWT_AUDIENCE, JWT_MAX_TTL_S
+from config.settings import JWT_AUDIENCE, JWT_MAX_TTL_S
 
 SCOPES = ("commands:write", "views:read", "streams:write", "admin")
 ISSUER = "logfold"

@@ -20,9 +20,8 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from app.read_model import ReadModel
-from cdc.capture import slot_name
-from stack.settings import Settings, kafka_fetch_bounds
-from stack.topics import Topics
+from config.settings import Settings, kafka_fetch_bounds, slot_name
+from config.topics import Topics
 
 if TYPE_CHECKING:
     from app.live import Hub

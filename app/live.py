@@ -47,7 +47,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, Position, Snapshot, from_record, widen
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
+from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 
 log = logging.getLogger(__name__)
 

@@ -17,17 +17,15 @@ import sqlalchemy as sa
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
-from cdc.capture import slot_name
 from cdc.changes import Snapshot
 from commands.messages import Position
+from config.settings import Settings, kafka_fetch_bounds, slot_name, sqlalchemy_url
+from config.topics import Topics, partition_of
 from projections.base import Fold, View
-from projections.progress import CHANNEL
-from projections.progress import table as progress_table
+from projections.base.progress import CHANNEL
+from projections.base.progress import table as progress_table
+from projections.base.wire import wire_row, wire_value
 from projections.registry import FOLDS, writers
-from projections.wire import wire_row, wire_value
-from stack.migrate import sqlalchemy_url
-from stack.settings import Settings, kafka_fetch_bounds
-from stack.topics import Topics, partition_of
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
 from cdc.changes import Position, Snapshot
 from commands.messages import Position as CommandPosition
 from commands.schemas import details
+from config.settings import Settings
 from projections.base import Fold
 from projections.registry import VIEWS
-from stack.settings import Settings
 
 log = logging.getLogger(__name__)
 

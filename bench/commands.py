@@ -54,14 +54,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import loadgen, pyspy
 from bench.procstat import CpuMeter, cpu_seconds, jit_seconds
+from config.settings import Settings
+from config.topics import Topics
 from events.customer import CustomerRenamed
 from events.serialization import encode, envelope_for
 from events.store import committed_reader
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.procs import free_port
-from stack.settings import Settings
-from stack.topics import Topics, create_topics, wait_for_topics
+from stack.topics import create_topics, topic_specs, wait_for_topics
 from tests.support import SECRET, HttpApi, Processes, token
 
 
@@ -281,7 +282,7 @@ def ceilings(stack: WriteStack, repeats: int) -> dict[str, float]:
     admin = KafkaAdminClient(bootstrap_servers=stack.kafka.bootstrap)
     try:
         if topic not in admin.list_topics():
-            spec = Topics(stack.settings.topic_prefix).specs()[0]  # an event topic
+            spec = topic_specs(Topics(stack.settings.topic_prefix))[0]  # an event topic
             admin.create_topics([NewTopic(topic, 1, 1, topic_configs=spec.configs)])
             wait_for_topics(admin, [topic], timeout_s=30.0)
     finally:

@@ -45,7 +45,7 @@ def logfold_app() -> Any:
     and no Kafka, Postgres or websocket hub behind it."""
     from app import create_app
     from commands.messages import CommandMessage, Reply
-    from stack.settings import Settings
+    from config.settings import Settings
 
     class AnsweringBus:
         instance_id = "api-floor"

@@ -52,9 +52,9 @@ from bench.loadgen import percentile
 from bench.procstat import CpuMeter, rss_mib, threads, tree
 from bench.read_side import Stack, trivial_query
 from bench.wsfleet import Fleet
+from config.settings import Settings, kafka_fetch_bounds
+from config.topics import Topics
 from stack.procs import wait_until
-from stack.settings import Settings, kafka_fetch_bounds
-from stack.topics import Topics
 from tests.support import HttpApi, Processes, token
 
 

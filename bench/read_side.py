@@ -91,6 +91,8 @@ from bench import loadgen
 from bench.loadgen import percentile
 from bench.procstat import CpuMeter
 from commands.messages import Position
+from config.settings import Settings
+from config.topics import Topics
 from events.book import BookAdded
 from events.customer import CustomerRegistered
 from events.order import OrderPaid, OrderPlaced, PlacedLine
@@ -100,8 +102,7 @@ from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
 from stack.procs import free_port, wait_until
-from stack.settings import Settings
-from stack.topics import Topics, admin_client, create_topics, wait_for_topics
+from stack.topics import admin_client, create_topics, wait_for_topics
 from tests.support import SECRET, HttpApi, Processes, token
 
 

@@ -45,9 +45,9 @@ from bench.read_side import (
     threaded,
     warm_up,
 )
+from config.settings import Settings
 from events.partitioning import partition_for
 from events.serialization import dumps
-from stack.settings import Settings
 from stack.topics import admin_client
 from streams.ingest import FactRecord
 from tests.support import Processes, token

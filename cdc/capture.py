@@ -10,14 +10,12 @@ the confirmed position, and the records' positions let consumers drop what they 
 from __future__ import annotations
 
 import logging
-import re
 import select
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import psycopg
 import psycopg2
@@ -29,25 +27,15 @@ from sqlalchemy import Table
 
 from cdc import pgoutput
 from cdc.changes import Change, Position, record_for
+from config.settings import Settings, slot_name
+from config.topics import Topics
+from projections.base.wire import wire_row, wire_value
 from projections.registry import CAPTURED
-from projections.wire import wire_row, wire_value
-from stack.settings import Settings
-from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
 FLUSH_EVERY_S = 0.02  # at most this long between a commit and its records' Kafka flush
 FLUSH_RECORDS = 2000  # or this many records, whichever comes first
-
-
-def slot_name(settings: Settings) -> str:
-    """`LOGFOLD_CDC_SLOT`, or one per database (slot names are global to the server). The
-    database is named by either login: the API may be given only its own."""
-    if settings.cdc_slot:
-        return settings.cdc_slot
-    url = settings.database_url or settings.api_database()
-    database = urlparse(url).path.lstrip("/") or "postgres"
-    return ("logfold_cdc_" + re.sub(r"[^a-z0-9_]", "_", database.lower()))[:63]
 
 
 def _key_columns(table: Table) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 Message formats: https://www.postgresql.org/docs/current/protocol-logicalrep-message-formats.html
 Values arrive as text (the types' output functions); `to_python` turns the common types back
-into Python values, which `projections.wire` then puts in wire form.
+into Python values, which `projections.base.wire` then puts in wire form.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from kafka import KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
 from commands.messages import CommandMessage, Reply
+from config.settings import IDLE_POLL_MS, Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.store import committed_reader
-from stack.settings import IDLE_POLL_MS, Settings
-from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from commands.handling import (
 )
 from commands.messages import CommandMessage, Position, Reply
 from commands.registry import AGGREGATES
+from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
 from events.store import commit_within, committed_reader, drain
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
-from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 

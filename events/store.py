@@ -11,8 +11,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaTimeoutError
 
+from config.settings import KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 from events.serialization import Envelope, decode
-from stack.settings import KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 
 
 def commit_within(producer: KafkaProducer, timeout_s: float) -> None:

@@ -4,14 +4,13 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 
 import cdc.state  # noqa: F401
-import projections.progress
+import projections.base.progress
 import projections.registry  # noqa: F401  (loads every view's table)
 from projections import metadata
 
 config = context.config
 if not config.get_main_option("sqlalchemy.url"):
-    from stack.migrate import sqlalchemy_url
-    from stack.settings import Settings
+    from config.settings import Settings, sqlalchemy_url
 
     config.set_main_option("sqlalchemy.url", sqlalchemy_url(Settings().database()))
 

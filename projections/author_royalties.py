@@ -11,7 +11,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 table = Table(
     "author_royalties",
@@ -30,8 +30,8 @@ def royalty_cents(quantity: int, unit_price_cents: int, rate: float) -> int:
 
 def rows() -> Rows:
     """A payment adds, per line, the line's royalty and units to its author."""
-    from projections._fold import each_paid_line
-    from projections._fold import royalty_cents as royalty_column
+    from projections.base.rows import each_paid_line
+    from projections.base.rows import royalty_cents as royalty_column
 
     return each_paid_line(
         table,

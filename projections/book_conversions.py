@@ -26,7 +26,7 @@ from projections.base import Output, Projection
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 WITHIN = timedelta(hours=1)
 LATENESS = timedelta(hours=2)
@@ -69,7 +69,7 @@ def rows() -> Rows:
     """A page view: one view; an OrderPlaced: one order per line (customer, book, time)."""
     from pyspark.sql.types import StringType, StructField, StructType, TimestampType
 
-    from projections._fold import F, field, row_per_item, single_row
+    from projections.base.rows import F, field, row_per_item, single_row
 
     side_type = StructType(
         [

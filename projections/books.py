@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 table = Table(
     "books",
@@ -25,7 +25,7 @@ table = Table(
 
 def rows() -> Rows:
     """A book event sets the fields it carries; a payment adds the units of each line."""
-    from projections._fold import F, each_paid_line, field, one, when_type
+    from projections.base.rows import F, each_paid_line, field, one, when_type
 
     details = one(
         table,

@@ -39,7 +39,7 @@ table = Table(
 
 def rows() -> Column:
     """A page view: one point (customer, time, book) for the sessions."""
-    from projections._fold import F, field, when_type
+    from projections.base.rows import F, field, when_type
 
     return when_type(
         "page_views",

@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 table = Table(
     "customers",
@@ -23,7 +23,7 @@ table = Table(
 
 def rows() -> Rows:
     """A customer event sets the fields it carries."""
-    from projections._fold import F, field, one, when_type
+    from projections.base.rows import F, field, one, when_type
 
     return one(
         table,

@@ -8,7 +8,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 table = Table(
     "orders",
@@ -34,7 +34,7 @@ STATUS = {
 
 def rows() -> Rows:
     """An order event moves its status and sets the fields it carries."""
-    from projections._fold import F, field, one, when_type
+    from projections.base.rows import F, field, one, when_type
 
     status = F.create_map(*(F.lit(x) for kv in STATUS.items() for x in kv))[F.col("type")]
     return one(

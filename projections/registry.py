@@ -1,8 +1,8 @@
 """Every projection and every join: each module of this package that defines `projection`
 (folds events) or `join` (joins two captured tables from their changelogs).
 
-Adding a view = a module here (its table and transform, or its join) + a migration; nothing else.
-Importing this module never loads Spark (a transform imports pyspark when it runs)."""
+Adding a view = a module here (its table and rows, or its join) + a migration; nothing else.
+Importing this module never loads Spark (a view imports its row functions when it runs)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,19 @@ from types import ModuleType
 from sqlalchemy import Table
 
 import projections
-from projections import progress
-from projections.base import Fold, Join, Projection, View
+from projections.base import (  # their tables, on the shared metadata
+    Fold,
+    Join,
+    Projection,
+    View,
+    progress,
+)
 
 
 def _modules() -> list[ModuleType]:
-    """Every public module of the package (private ones, like `_fold`, load Spark)."""
+    """Every view module of the package (not its subpackages: `base` is the machinery)."""
     infos = sorted(pkgutil.iter_modules(projections.__path__), key=lambda m: m.name)
-    names = [info.name for info in infos if not info.name.startswith("_")]
+    names = [i.name for i in infos if not i.ispkg and not i.name.startswith("_")]
     return [importlib.import_module(f"projections.{name}") for name in names]
 
 

@@ -21,7 +21,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 table = Table(
     "royalty_payouts",
@@ -43,7 +43,7 @@ table = Table(
 
 def rows() -> Rows:
     """A payment: per line, the author's royalty on it (the account is looked up in Postgres)."""
-    from projections._fold import F, each_paid_line, royalty_cents
+    from projections.base.rows import F, each_paid_line, royalty_cents
 
     return each_paid_line(
         table,

@@ -22,7 +22,7 @@ from projections.base import Output, Projection
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 ALLOWED_LATENESS = timedelta(minutes=10)
 
@@ -49,14 +49,14 @@ late_events = Table(
 
 
 def _watermark() -> Column:
-    from projections._fold import F
+    from projections.base.rows import F
 
     return F.col("timestamp") - F.expr(f"INTERVAL {int(ALLOWED_LATENESS.total_seconds())} SECONDS")
 
 
 def rows() -> Rows:
     """A payment on time adds, per line, its units and revenue to the line's book and hour."""
-    from projections._fold import F, each_paid_line
+    from projections.base.rows import F, each_paid_line
 
     on_time = F.col("occurred_at") >= _watermark()
     return each_paid_line(
@@ -73,7 +73,7 @@ def rows() -> Rows:
 
 def late_rows() -> Rows:
     """A payment that comes too late for its window is set aside, with the watermark."""
-    from projections._fold import F, one
+    from projections.base.rows import F, one
 
     return one(
         late_events,

@@ -17,7 +17,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from projections._fold import Rows
+    from projections.base.rows import Rows
 
 SIZE, ADVANCE = timedelta(hours=24), timedelta(hours=1)
 LATENESS = timedelta(hours=2)
@@ -34,7 +34,7 @@ table = Table(
 
 def rows() -> Rows:
     """A page view adds one view to each window of its book that contains it."""
-    from projections._fold import F, each, field, hopping_windows, when_type
+    from projections.base.rows import F, each, field, hopping_windows, when_type
 
     return each(
         table,

@@ -44,7 +44,7 @@ fi
 
 say "fetching the Kafka broker and Spark Kafka connector jars (Maven Central, cached in .stack/lib)"
 .venv/bin/python - <<'PY'
-from stack.settings import Settings
+from config.settings import Settings
 from stack.local_kafka import ensure_jars
 from spark.session import kafka_jars
 

@@ -75,7 +75,7 @@ def data_schema() -> StructType:
 
 
 # The fields of `data`, decoded with the envelope in one pass of Spark's JSON reader. A
-# projection reads them by name (`projections._fold.field`) instead of parsing the JSON text
+# projection reads them by name (`projections.base.rows.field`) instead of parsing the JSON text
 # again for each field and each view: a rebuild of 1M events took 0.69x the time
 # (`docs/benchmarks-journal.md`, rebuild).
 DATA = data_schema()

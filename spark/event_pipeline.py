@@ -33,17 +33,19 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
+from config.settings import Settings
+from config.topics import Topics
 from events.catalog import EVENTS_BY_AGGREGATE
 from events.serialization import Envelope, encode
-from projections._fold import rows_column, rows_frame
 from projections.base import Join, Offsets, Output, Projection
+from projections.base.rows import rows_column, rows_frame
 from spark.decode import every_event, kafka_options, parse_events, read_batch, upcast
 from spark.gaps import Gaps, check_gaps
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -60,10 +62,7 @@ from spark.sink import (
     merge_json,
     read_progress,
     save_progress,
-    unapplied,
 )
-from stack.settings import Settings
-from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -172,83 +171,6 @@ def upcast_rows(batch: DataFrame, rows: list[Any], columns: list[Column]) -> lis
     return [r if r[CURRENT] else found.get((r[TOPIC], r[PARTITION], r[OFFSET]), r) for r in rows]
 
 
-def replay(
-    conn: psycopg.Connection[Any],
-    p: Projection,
-    events: DataFrame,
-    offsets: Offsets,
-    suffix: str,
-    settings: Settings,
-    empty: bool = False,
-) -> tuple[Offsets, int, int]:
-    """Merge the records of `events` (`every_event` of a batch read, or any frame with its
-    columns) after `offsets` into `p`'s tables (+ `suffix`) exactly as the live pipeline does.
-    Returns the new offsets, the number of records applied and of late records. The caller
-    commits. `empty`: those tables are empty, new ones (see `merge_staged`).
-
-    Made for whole logs (a rebuild): only stream records (counted once by id) travel to Python
-    whole; of the events, Spark counts them, their late ones and their offsets, and hands over
-    only the rows of those on time (in Arrow batches). Events at an older schema version send
-    every record through Python, where they are upcast in their place."""
-    topics = Topics(settings.topic_prefix)
-    columns = [rows_json(o).alias(o.name) for o in p.outputs]
-    reads = frozenset(p.reads(topics, settings.partitions))
-    streams = frozenset(topics.stream(s) for s in p.streams)
-    of_p = events.where(F.col("topic").isin(*p.topic_names(topics)))
-    mine = unapplied(of_p, offsets)
-    selected = mine.select(*position(), *columns)
-    late = F.lit(False)
-    if p.lateness is not None:
-        late = F.col("delay_us") > int(p.lateness.total_seconds() * 1e6)
-    # A record it cannot tell about goes to Python.
-    python = F.coalesce(
-        ~F.col("current") | F.col("topic").isin(*streams) | late.isNull(), F.lit(True)
-    )
-    rows = _arrow_rows(selected.where(python))
-    if any(r[TOPIC] not in streams for r in rows):
-        # An event Python must see (to upcast it, or to tell whether it is late): then every
-        # record goes through Python, so that its rows keep their place in the log's order.
-        python = F.lit(True)
-        rows = _arrow_rows(selected)
-        if any(not r[CURRENT] for r in rows):
-            rows = upcast_rows(mine, rows, columns)
-    counted = selected.where(~python)
-    passed = {
-        f"{r['topic']}:{r['partition']}": (
-            int(r["n"]),
-            int(r["first"]),
-            int(r["last"]),
-            int(r["late"]),
-        )
-        for r in counted.groupBy("topic", "partition")
-        .agg(
-            F.count("*").alias("n"),
-            F.min("offset").alias("first"),
-            F.max("offset").alias("last"),
-            F.count_if(late).alias("late"),
-        )
-        .collect()
-    }
-    share = share_of(p, reads, streams, rows, POSITION, offsets, passed)
-    if share is None:
-        return offsets, 0, 0
-    # Events that add no rows (`[]`) are left out here, not by Spark: a filter on the rows
-    # would have Spark work each event's rows out twice (in the filter and in the select).
-    handed = [o for o in p.outputs if o.staged is None]
-    found = counted.where(~late).select(*(o.name for o in handed)).toArrow()
-    for o in handed:  # in log order, as `share_of` lists the rows it is given
-        values = found.column(o.name).to_pylist()
-        share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
-    # An output that stages its rows gets those of the events Spark counted by COPY (the rows
-    # of records Python saw follow as JSON, in `merge_share`).
-    on_time = mine.select("*", *position()[LOG_US:]).where(~python & ~late)
-    for o in p.outputs:
-        if o.staged is not None:
-            merge_staged(conn, settings.database(), o, on_time, suffix, empty)
-    late_n = merge_share(conn, p, share, suffix, keep_ids(p, settings))
-    return share.after, share.count, late_n
-
-
 def merge_staged(
     conn: psycopg.Connection[Any],
     database: str,
@@ -282,7 +204,7 @@ def merge_staged(
     return n
 
 
-def _arrow_rows(frame: DataFrame) -> list[Any]:
+def arrow_rows(frame: DataFrame) -> list[Any]:
     table = frame.toArrow()
     return list(zip(*(c.to_pylist() for c in table.columns), strict=True))
 
@@ -478,7 +400,7 @@ class EventSink:
         fail: their columns are None (as are those of the projections left out) and their
         errors returned."""
         try:
-            return _arrow_rows(batch), {}
+            return arrow_rows(batch), {}
         except Exception as e:
             if len(projections) <= 1:
                 raise
@@ -488,7 +410,7 @@ class EventSink:
         errors: dict[str, str] = {}
         for p in projections:
             try:
-                parts[p.name] = _arrow_rows(alone.select(*position(), *self.columns[p.name]))
+                parts[p.name] = arrow_rows(alone.select(*position(), *self.columns[p.name]))
             except Exception as e:
                 errors[p.name] = first_line(e)
         if not parts:  # not one projection's fault: fail the batch
@@ -627,8 +549,12 @@ class EventPipeline:
         settings: Settings,
         projections: Sequence[Projection],
         scratch: str,
+        live: LiveMode[EventPipeline, EventSink] | None = None,
     ) -> None:
+        """`live`: how the live path runs in Spark's real-time mode, when it can (the projector
+        passes `spark.realtime.RealTimeEvents`); None, always in micro-batches."""
         self.spark, self.settings, self.scratch = spark, settings, scratch
+        self.live = live
         self.projections = list(projections)
         self.topics = Topics(settings.topic_prefix)
         self.sink: EventSink | None = None
@@ -665,8 +591,10 @@ class EventPipeline:
         return json.dumps(doc)
 
     def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode: wanted, not failing on its own, and
-        Spark has the task slots `realtime_slots` counts."""
+        """Whether the live path runs in real-time mode: it has one, it is wanted, not failing
+        on its own, and Spark has the task slots `realtime_slots` counts."""
+        if self.live is None:
+            return False
         need = realtime_partitions(self.settings, self.projections) + 2
         return realtime_allowed(self.spark, self.settings, "events", self.realtime_failures, need)
 
@@ -677,9 +605,7 @@ class EventPipeline:
 
     def start(self) -> Running:
         """Start the live pipeline from the projections' progress (a restart resumes the
-        same way): in real-time mode when it can (`spark/realtime.py`), else in micro-batches."""
-        from spark.realtime import RealTimeEvents  # it builds on this module
-
+        same way): in real-time mode when it can (`live`), else in micro-batches."""
         names = [p.name for p in self.projections]
         if self.sink is not None:
             self.sink.db.close()
@@ -690,12 +616,9 @@ class EventPipeline:
             for name in names:
                 ensure_progress(conn, name)
             forget_failures(conn, names)  # a failed projection is given another chance
-        previous = self.running
-        if isinstance(previous, RealTimeEvents):
-            failed = previous.query_failed and not previous.applied
-            self.realtime_failures = self.realtime_failures + 1 if failed else 0
-        if self.realtime():
-            self.running = RealTimeEvents(self, self.sink).start()
+        self.realtime_failures = failures_after(self.running, self.realtime_failures)
+        if self.live is not None and self.realtime():
+            self.running = self.live(self, self.sink).start()
             return self.running
         self.running = self.micro_batches(self.sink)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
@@ -747,6 +670,37 @@ class Running(Protocol):
     def exception(self) -> BaseException | None: ...
 
     def stop(self) -> None: ...
+
+
+class LiveRunning(Running, Protocol):
+    """A live path running in real-time mode (`spark/realtime.py`)."""
+
+    @property
+    def query_failed(self) -> bool: ...  # its query failed on its own
+
+    @property
+    def applied(self) -> int: ...  # polls it applied (transactions)
+
+    def start(self) -> LiveRunning: ...
+
+
+P_contra = TypeVar("P_contra", contravariant=True)
+S_contra = TypeVar("S_contra", contravariant=True)
+
+
+class LiveMode(Protocol[P_contra, S_contra]):
+    """How a pipeline's live path runs in real-time mode: made from the pipeline and its sink."""
+
+    def __call__(self, pipeline: P_contra, sink: S_contra) -> LiveRunning: ...
+
+
+def failures_after(previous: Running | None, failures: int) -> int:
+    """Real-time starts in a row whose query failed on its own, once `previous` has ended."""
+    query_failed, applied = getattr(previous, "query_failed", None), getattr(previous, "applied", 0)
+    if query_failed is None:
+        return failures  # micro-batches (or nothing) ran: the count stands
+    failed = query_failed and not applied
+    return failures + 1 if failed else 0
 
 
 def realtime_allowed(

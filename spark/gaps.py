@@ -25,9 +25,9 @@ import psycopg
 from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
+from config.settings import kafka_fetch_bounds
+from config.topics import partition_of
 from spark.sink import record_loss
-from stack.settings import kafka_fetch_bounds
-from stack.topics import partition_of
 
 log = logging.getLogger(__name__)
 

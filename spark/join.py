@@ -39,10 +39,12 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
+from config.settings import Settings
+from config.topics import Topics
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
-from spark.event_pipeline import Running, realtime_allowed
+from spark.event_pipeline import LiveMode, Running, failures_after, realtime_allowed
 from spark.gaps import Gaps, check_gaps, skipped
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -62,8 +64,6 @@ from spark.sink import (
     save_progress,
     unapplied,
 )
-from stack.settings import Settings
-from stack.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,10 @@ class JoinPipeline:
         joins: Sequence[Join],
         scratch: str,
         beside: int = 0,
+        live: LiveMode[JoinPipeline, JoinSink] | None = None,
     ) -> None:
+        """`live`: how the live path runs in Spark's real-time mode, when it can (the projector
+        passes `spark.realtime.RealTimeJoins`); None, always in micro-batches."""
         self.spark, self.settings, self.scratch = spark, settings, scratch
         self.joins = list(joins)
         topics = Topics(settings.topic_prefix)
@@ -322,6 +325,7 @@ class JoinPipeline:
         self.sink: JoinSink | None = None
         self.running: Running | None = None
         self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
+        self.live = live
 
     def starting_offsets(self) -> str:
         """After the lowest progress of the joins that read each changelog."""
@@ -342,14 +346,14 @@ class JoinPipeline:
     def realtime(self) -> bool:
         """Whether the live path runs in real-time mode (`realtime_allowed`): its query needs
         a task slot per changelog read besides the ones other real-time queries hold."""
+        if self.live is None:
+            return False
         need = self.beside + len(self.tables) + 2
         return realtime_allowed(self.spark, self.settings, "joins", self.realtime_failures, need)
 
     def start(self) -> Running:
         """Start the live pipeline from the joins' progress (a restart resumes the same way):
-        in real-time mode when it can (`spark/realtime.py`), else in micro-batches."""
-        from spark.realtime import RealTimeJoins  # it builds on this module
-
+        in real-time mode when it can (`live`), else in micro-batches."""
         url = self.settings.database()
         names = [j.name for j in self.joins]
         with psycopg.connect(url, autocommit=True) as conn:
@@ -361,12 +365,9 @@ class JoinPipeline:
         gaps = Gaps(self.settings.kafka(), self.settings.kafka_timeout_s)
         self.sink = JoinSink(self.joins, url, self.tables, gaps, self.rebuild)
         full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
-        previous = self.running
-        if isinstance(previous, RealTimeJoins):
-            failed = previous.query_failed and not previous.applied
-            self.realtime_failures = self.realtime_failures + 1 if failed else 0
-        if self.realtime():
-            self.running = RealTimeJoins(self, self.sink).start()
+        self.realtime_failures = failures_after(self.running, self.realtime_failures)
+        if self.live is not None and self.realtime():
+            self.running = self.live(self, self.sink).start()
         else:
             self.running = self.micro_batches(self.sink, catch_up=False)
             with psycopg.connect(url, autocommit=True) as conn:

@@ -26,12 +26,13 @@ from typing import Protocol
 
 from pyspark.sql import SparkSession
 
+from config.settings import Settings
 from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
 from spark.event_pipeline import EventPipeline, Running, realtime_partitions, realtime_slots
 from spark.join import JoinPipeline
+from spark.realtime import RealTimeEvents, RealTimeJoins
 from spark.session import quiet_stop, session
-from stack.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,22 @@ class Projector:
         )
         self.scratch = scratch_dir(settings)
         self.pipelines: dict[str, Pipeline] = {}
+        # The one place the live paths' mode is chosen: Spark's real-time mode where wanted
+        # (each pipeline still falls back to micro-batches without the task slots it needs).
+        live = settings.spark_realtime
         if chosen:
-            self.pipelines["events"] = EventPipeline(self.spark, settings, chosen, self.scratch)
+            self.pipelines["events"] = EventPipeline(
+                self.spark, settings, chosen, self.scratch, RealTimeEvents if live else None
+            )
         if joined:
             beside = realtime_partitions(settings, chosen)
             self.pipelines["joins"] = JoinPipeline(
-                self.spark, settings, joined, self.scratch, beside=beside
+                self.spark,
+                settings,
+                joined,
+                self.scratch,
+                beside=beside,
+                live=RealTimeJoins if live else None,
             )
         self.queries: dict[str, Running] = {}
         self._stopping = threading.Event()
@@ -144,7 +155,7 @@ class Projector:
 
 
 if __name__ == "__main__":  # under spark-submit; `logfold projector` is the usual entry point
-    from stack import logs
+    from config import logs
 
     logs.configure(Settings().log_level, Settings().log_format)
     Projector(Settings()).run()

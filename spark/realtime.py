@@ -59,14 +59,14 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamReader
 
+from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
+from config.topics import Topics
 from spark.changelog import RECORD_COLUMNS, records
 from spark.decode import between_json, every_event, kafka_options, parse_events, read_batch
 from spark.event_pipeline import CURRENT, OFFSET, PARTITION, TOPIC, EventSink, first_line
 from spark.join import QUERY as JOINS_QUERY
 from spark.session import full_planning
 from spark.sink import mark_running
-from stack.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
-from stack.topics import Topics
 
 if TYPE_CHECKING:
     from spark.event_pipeline import EventPipeline

@@ -9,13 +9,12 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-import stack
-from stack import maven
-from stack.logs import is_debug, spark_level
-from stack.settings import Settings
+from config import maven
+from config.logs import is_debug, spark_level
+from config.settings import Settings
 
-POM = Path(stack.__file__).parent / "spark" / "pom.xml"
-LOG4J = Path(stack.__file__).parent / "spark" / "log4j2.properties"
+POM = Path(__file__).parent / "pom.xml"
+LOG4J = Path(__file__).parent / "log4j2.properties"
 FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spark does
 # Classes of generated code a process keeps compiled (Spark's default: 100). A rebuild of
 # every view generates ~120: with 100, each rebuild evicted the classes the next one needed

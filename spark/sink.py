@@ -20,6 +20,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import TimestampType
 
 from projections.base import Offsets, Output, Projection
+from projections.base.rows import fold
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ def merge_output(
 ) -> int:
     """Fold `events` into rows and merge them into the output's table (+ `suffix`: its
     shadow). Returns how many rows were merged."""
-    rows = wire_rows(output.transform(events))
+    rows = wire_rows(fold(output, events))
     found = [
         r["row"] for r in rows.select(F.to_json(F.struct(*output.columns)).alias("row")).collect()
     ]

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import click
 
-from stack.settings import Settings
+from config.settings import Settings
 
 
 def _settings() -> Settings:
@@ -37,7 +37,8 @@ def run(processors: int | None) -> None:
     Kafka and Postgres are started from the project's own data directory unless
     KAFKA_BOOTSTRAP_SERVERS / DATABASE_URL point at existing ones. Ctrl-C stops everything.
     """
-    from stack import local, logs
+    from config import logs
+    from stack import local
     from stack.topics import TopicMisconfigured
 
     settings = Settings()  # its own configuration only: not another stack's endpoints
@@ -107,7 +108,7 @@ def env() -> None:
 )
 def api(host: str | None, port: int | None, workers: int | None) -> None:
     """Serve the HTTP API (needs Kafka, Postgres and LOGFOLD_JWT_SECRET)."""
-    from stack import logs
+    from config import logs
     from stack.serve import ApiServer
 
     settings = _settings()
@@ -145,7 +146,8 @@ def projector() -> None:
 def cdc(drop_slot: bool) -> None:
     """Stream the view tables' (and registered plain tables') changes from the Postgres WAL
     into the compacted cdc.<table> topics (see docs/cdc.md)."""
-    from cdc.capture import Capture, drop, slot_name
+    from cdc.capture import Capture, drop
+    from config.settings import slot_name
 
     if drop_slot:
         settings = _settings()
@@ -164,7 +166,7 @@ def _serve(make: Callable[[Settings], _Service]) -> None:
     """Run a long-lived worker until SIGTERM or Ctrl-C, after checking the topics."""
     import signal
 
-    from stack import logs
+    from config import logs
 
     settings = _settings()
     logs.configure(settings.log_level, settings.log_format)
@@ -185,11 +187,11 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
 
     Exits 1 when --verify finds a difference.
     """
+    from config import logs
     from projections.registry import JOINS, PROJECTIONS
     from spark.join import JoinRebuild
     from spark.rebuild import Rebuild
     from spark.session import session
-    from stack import logs
 
     known = [*PROJECTIONS, *JOINS]
     if everything == bool(projections):
@@ -258,14 +260,15 @@ def migrate() -> None:
 @click.option("--create", is_flag=True, help="Create missing topics before checking.")
 def topics(create: bool) -> None:
     """Check (and with --create, create) every Kafka topic Logfold uses."""
-    from stack.topics import Topics, create_topics
+    from config.topics import Topics
+    from stack.topics import create_topics, topic_specs
 
     settings = _settings()
     if create:
         for name in create_topics(settings):
             click.echo(f"created {name}")
     _require_topics(settings)
-    for spec in Topics(settings.topic_prefix).specs():
+    for spec in topic_specs(Topics(settings.topic_prefix)):
         click.echo(f"ok  {spec.name:<28} {spec.purpose}")
 
 

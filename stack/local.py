@@ -5,7 +5,7 @@ command processors and the API as child processes until Ctrl-C.
 
 The children run in sessions of their own, so Ctrl-C in the terminal reaches this process alone,
 which stops them one by one, the API first, and says so in a line each. Their output comes
-through this process, each line prefixed with the child's name (stack/logs.py)."""
+through this process, each line prefixed with the child's name (config/logs.py)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ from pathlib import Path
 import requests
 
 from app.auth import check_secret
-from stack import logs, stack_env
+from config import logs
+from config.settings import Settings
+from stack import stack_env
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
 from stack.procs import port_open, wait_until
 from stack.pulse import Pulse
-from stack.settings import Settings
 from stack.topics import check_topics, create_topics
 
 # How long `logfold run` waits for the projector's live queries before its banner: they start
@@ -242,7 +243,7 @@ class LocalStack:
 
     def _stop(self, child: Child) -> None:
         """SIGTERM, and SIGKILL after STOP_S (or at a second Ctrl-C). What the child prints
-        meanwhile is held back (stack/logs.py, Relay) and shown only if it does not stop
+        meanwhile is held back (config/logs.py, Relay) and shown only if it does not stop
         cleanly."""
         proc, started = child.proc, time.monotonic()
         if proc.poll() is not None:

@@ -7,7 +7,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from stack import maven
+from config import maven
 from stack.procs import port_open, stop_process, wait_until
 
 POM = Path(__file__).parent / "kafka" / "pom.xml"

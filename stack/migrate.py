@@ -8,13 +8,7 @@ from alembic import command
 from alembic.config import Config
 
 import migrations
-
-
-def sqlalchemy_url(database_url: str) -> str:
-    for prefix in ("postgresql://", "postgres://"):
-        if database_url.startswith(prefix):
-            return "postgresql+psycopg://" + database_url[len(prefix) :]
-    return database_url
+from config.settings import sqlalchemy_url
 
 
 def alembic_config(database_url: str) -> Config:

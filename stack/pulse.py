@@ -16,8 +16,8 @@ import psycopg
 import requests
 from kafka import KafkaConsumer, TopicPartition
 
-from stack.settings import Settings, kafka_fetch_bounds
-from stack.topics import Topics
+from config.settings import Settings, kafka_fetch_bounds
+from config.topics import Topics
 
 log = logging.getLogger("logfold")
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from stack.logs import is_debug
-from stack.settings import Settings
+from config.logs import is_debug
+from config.settings import Settings
 
 
 class ApiServer(BaseApplication):  # type: ignore[misc]

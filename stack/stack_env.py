@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dotenv import dotenv_values
 
-from stack.settings import Settings
+from config.settings import Settings
 
 NAME = "stack.env"
 PID = "LOGFOLD_STACK_PID"

@@ -1,4 +1,5 @@
-"""The Kafka topics Logfold owns, their required configuration, and the start-up check.
+"""The Kafka topics Logfold owns (names in config/topics.py): their required configuration,
+creating them, and the start-up check.
 
 Every partitioned topic has the same partition count so that `partition_for(aggregate_id)` names
 the same partition in each (see events.partitioning)."""
@@ -7,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
 from commands.handling import IDEMPOTENCY_RETENTION_S
+from config.settings import Settings
+from config.topics import Topics
 from events.catalog import AGGREGATE_TYPES
 from stack.procs import wait_until
-from stack.settings import CHANGELOG_KEEP_MS, Settings
 from streams.registry import STREAMS
 
 DAY_MS = 24 * 3600 * 1000
@@ -30,159 +31,88 @@ class TopicSpec:
     partitions: int | None = None  # None: the deployment's partition count
 
 
-class Topics:
-    """Topic names for one deployment (a prefix lets several share a cluster)."""
-
-    def __init__(
-        self,
-        prefix: str = "",
-        cdc_compaction_lag_ms: int = CHANGELOG_KEEP_MS,
-        cdc_delete_retention_ms: int = CHANGELOG_KEEP_MS,
-    ) -> None:
-        self.prefix = prefix
-        self.cdc_compaction_lag_ms = cdc_compaction_lag_ms
-        self.cdc_delete_retention_ms = cdc_delete_retention_ms
-
-    @classmethod
-    def of(cls, settings: Settings) -> Topics:
-        """The topics of the deployment `settings` describe, with its changelogs' retention."""
-        return cls(
-            settings.topic_prefix, settings.cdc_compaction_lag_ms, settings.cdc_delete_retention_ms
-        )
-
-    def events(self, aggregate_type: str) -> str:
-        return f"{self.prefix}events.{aggregate_type}"
-
-    @property
-    def commands(self) -> str:
-        return f"{self.prefix}commands"
-
-    @property
-    def replies(self) -> str:
-        return f"{self.prefix}replies"
-
-    @property
-    def snapshots(self) -> str:
-        return f"{self.prefix}snapshots"
-
-    @property
-    def idempotency(self) -> str:
-        return f"{self.prefix}idempotency"
-
-    @property
-    def command_offsets(self) -> str:
-        return f"{self.prefix}command-offsets"
-
-    @property
-    def processor_group(self) -> str:
-        return f"{self.prefix}logfold-command-processors"
-
-    def transactional_id(self, partition: int) -> str:
-        return f"{self.prefix}logfold-command-partition-{partition}"
-
-    def stream(self, name: str) -> str:
-        return f"{self.prefix}streams.{name}"
-
-    @property
-    def projector_rows(self) -> str:
-        return f"{self.prefix}projector-rows"
-
-    @property
-    def join_rows(self) -> str:
-        return f"{self.prefix}join-rows"
-
-    def cdc(self, table: str) -> str:
-        return f"{self.prefix}cdc.{table}"
-
-    def table_of(self, cdc_topic: str) -> str:
-        return cdc_topic.removeprefix(f"{self.prefix}cdc.")
-
-    def specs(self) -> list[TopicSpec]:
-        compact = {"cleanup.policy": "compact", "retention.ms": "-1", "min.compaction.lag.ms": "0"}
-        changelog = {
-            **compact,
-            "min.compaction.lag.ms": str(self.cdc_compaction_lag_ms),
-            "delete.retention.ms": str(self.cdc_delete_retention_ms),
-        }
-        return [
-            *(
-                TopicSpec(self.events(a), f"event log of {a} aggregates", compact)
-                for a in AGGREGATE_TYPES
-            ),
-            TopicSpec(self.snapshots, "write-model state per aggregate", compact),
+def topic_specs(topics: Topics) -> list[TopicSpec]:
+    """Every topic the deployment of `topics` owns, with its required configuration."""
+    compact = {"cleanup.policy": "compact", "retention.ms": "-1", "min.compaction.lag.ms": "0"}
+    changelog = {
+        **compact,
+        "min.compaction.lag.ms": str(topics.cdc_compaction_lag_ms),
+        "delete.retention.ms": str(topics.cdc_delete_retention_ms),
+    }
+    return [
+        *(
+            TopicSpec(topics.events(a), f"event log of {a} aggregates", compact)
+            for a in AGGREGATE_TYPES
+        ),
+        TopicSpec(topics.snapshots, "write-model state per aggregate", compact),
+        TopicSpec(
+            topics.idempotency,
+            "responses by Idempotency-Key",
+            # As long as the processors remember a key (IDEMPOTENCY_RETENTION_S).
+            {
+                "cleanup.policy": "compact,delete",
+                "retention.ms": str(int(IDEMPOTENCY_RETENTION_S * 1000)),
+            },
+        ),
+        TopicSpec(
+            topics.command_offsets,
+            "where each partition's command processing resumes (written in its transactions)",
+            compact,
+        ),
+        TopicSpec(
+            topics.commands,
+            "commands waiting for their partition's processor",
+            {"cleanup.policy": "delete", "retention.ms": str(DAY_MS)},
+        ),
+        TopicSpec(
+            topics.replies,
+            "command outcomes for the API process waiting on them",
+            {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+        ),
+        TopicSpec(
+            topics.projector_rows,
+            "each event's view rows, from the projector's real-time query to its writer",
+            # Read as they are written, by the process that writes them.
+            {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+        ),
+        TopicSpec(
+            topics.join_rows,
+            "each changelog record, from the projector's real-time joins query to its writer",
+            {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
+        ),
+        # Append-only; kept for good, so every view over a stream can be rebuilt from it.
+        *(
             TopicSpec(
-                self.idempotency,
-                "responses by Idempotency-Key",
-                # As long as the processors remember a key (IDEMPOTENCY_RETENTION_S).
-                {
-                    "cleanup.policy": "compact,delete",
-                    "retention.ms": str(int(IDEMPOTENCY_RETENTION_S * 1000)),
-                },
-            ),
-            TopicSpec(
-                self.command_offsets,
-                "where each partition's command processing resumes (written in its transactions)",
-                compact,
-            ),
-            TopicSpec(
-                self.commands,
-                "commands waiting for their partition's processor",
-                {"cleanup.policy": "delete", "retention.ms": str(DAY_MS)},
-            ),
-            TopicSpec(
-                self.replies,
-                "command outcomes for the API process waiting on them",
-                {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
-            ),
-            TopicSpec(
-                self.projector_rows,
-                "each event's view rows, from the projector's real-time query to its writer",
-                # Read as they are written, by the process that writes them.
-                {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
-            ),
-            TopicSpec(
-                self.join_rows,
-                "each changelog record, from the projector's real-time joins query to its writer",
-                {"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)},
-            ),
-            # Append-only; kept for good, so every view over a stream can be rebuilt from it.
-            *(
-                TopicSpec(
-                    self.stream(name),
-                    f"records of the {name} stream",
-                    {"cleanup.policy": "delete", "retention.ms": "-1"},
-                )
-                for name in STREAMS
-            ),
-            # One partition: a table's changelog is one total order (commit order), which is
-            # what websocket positions and `since` rely on. Every change is kept a while
-            # (compaction then keeps each key's last), and deletes a while longer, so that a
-            # reader behind by less misses none (LOGFOLD_CDC_COMPACTION_LAG_MS and
-            # LOGFOLD_CDC_DELETE_RETENTION_MS, in stack/settings.py).
-            *(
-                TopicSpec(self.cdc(t), f"changelog of table {t}", changelog, partitions=1)
-                for t in captured_tables()
-            ),
-        ]
+                topics.stream(name),
+                f"records of the {name} stream",
+                {"cleanup.policy": "delete", "retention.ms": "-1"},
+            )
+            for name in STREAMS
+        ),
+        # One partition: a table's changelog is one total order (commit order), which is
+        # what websocket positions and `since` rely on. Every change is kept a while
+        # (compaction then keeps each key's last), and deletes a while longer, so that a
+        # reader behind by less misses none (LOGFOLD_CDC_COMPACTION_LAG_MS and
+        # LOGFOLD_CDC_DELETE_RETENTION_MS, in config/settings.py).
+        *(
+            TopicSpec(topics.cdc(t), f"changelog of table {t}", changelog, partitions=1)
+            for t in captured_tables()
+        ),
+    ]
 
-    def spec(self, name: str) -> TopicSpec:
-        """The spec of the topic called `name`; KeyError if Logfold owns no such topic."""
-        for spec in self.specs():
-            if spec.name == name:
-                return spec
-        raise KeyError(name)
+
+def topic_spec(topics: Topics, name: str) -> TopicSpec:
+    """The spec of the topic called `name`; KeyError if Logfold owns no such topic."""
+    for found in topic_specs(topics):
+        if found.name == name:
+            return found
+    raise KeyError(name)
 
 
 def captured_tables() -> list[str]:
     from projections.registry import CAPTURED  # every view module (no Spark), on first use
 
     return list(CAPTURED)
-
-
-def partition_of(key: str) -> TopicPartition:
-    """The partition an offsets key ("topic:partition", as progress records them) names."""
-    topic, _, partition = key.rpartition(":")
-    return TopicPartition(topic, int(partition))
 
 
 class TopicMisconfigured(RuntimeError):
@@ -203,7 +133,7 @@ def create_topics(settings: Settings) -> list[str]:
     admin = admin_client(settings)
     try:
         existing = set(admin.list_topics())
-        missing = [s for s in topics.specs() if s.name not in existing]
+        missing = [s for s in topic_specs(topics) if s.name not in existing]
         created = []
         for spec in missing:
             try:
@@ -232,7 +162,7 @@ def check_topics(settings: Settings) -> None:
     """Raise TopicMisconfigured, naming every problem and its fix, unless every topic exists
     with the expected partition count and configuration."""
     topics = Topics.of(settings)
-    specs = topics.specs()
+    specs = topic_specs(topics)
     admin = admin_client(settings)
     try:
         described = {t["topic"]: t for t in admin.describe_topics([s.name for s in specs])}

@@ -13,11 +13,11 @@ from typing import Any
 
 from kafka import KafkaProducer
 
+from config.settings import Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import dumps
 from events.store import commit_within
-from stack.settings import Settings
-from stack.topics import Topics
 from streams.registry import Stream
 
 log = logging.getLogger(__name__)

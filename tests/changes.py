@@ -13,8 +13,8 @@ import psycopg
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, from_record
-from stack.settings import Settings
-from stack.topics import Topics
+from config.settings import Settings
+from config.topics import Topics
 
 
 def insert_customers(settings: Settings, keys: list[str], name: str) -> None:
@@ -138,7 +138,7 @@ def distinct(changes: list[Change]) -> list[Change]:
 def slot_ready(settings: Settings) -> bool:
     """Whether CDC has created the deployment's slot and sent its first snapshot (changes made
     before that are in the snapshot, not one by one)."""
-    from cdc.capture import slot_name
+    from config.settings import slot_name
 
     with psycopg.connect(settings.database()) as conn:
         found = conn.execute(

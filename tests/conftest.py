@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from config.settings import Settings
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
 from stack.migrate import upgrade
 from stack.procs import free_port
-from stack.settings import Settings
 from tests.support import REPO, SECRET
 
 

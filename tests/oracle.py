@@ -10,10 +10,10 @@ from typing import Any
 
 import psycopg
 
+from config.settings import Settings
+from config.topics import Topics
 from events.serialization import decode
 from events.store import read_to_end
-from stack.settings import Settings
-from stack.topics import Topics
 
 LATENESS = timedelta(minutes=10)
 Views = dict[str, dict[tuple[Any, ...], dict[str, Any]]]

@@ -13,10 +13,10 @@ from typing import Any
 
 import psycopg
 
+from config.settings import Settings
+from config.topics import Topics
 from events.serialization import decode
 from events.store import read_to_end
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.oracle import compare, read_views
 
 LATENESS = timedelta(hours=2)  # of every page-view view

@@ -24,14 +24,15 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app.auth import SCOPES, issue_token
 from cdc.changes import Change, Position, record_for
+from config.settings import Settings
+from config.topics import Topics
 from events.base import DomainEvent
 from events.partitioning import partition_for
 from events.serialization import Envelope, encode, envelope_for
 from events.store import read_events
 from stack.migrate import upgrade
 from stack.procs import free_port, stop_process, wait_until
-from stack.settings import Settings
-from stack.topics import Topics, create_topics
+from stack.topics import create_topics, topic_spec
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "test-secret-not-for-production-use-0123456789"
@@ -139,7 +140,7 @@ def end_offset(settings: Settings, topic: str, partition: int = 0) -> int:
 def delete_records(settings: Settings, topic: str, before: int) -> None:
     """Delete `topic`'s records before offset `before`, as retention (or compaction past
     `delete.retention.ms`) removes them."""
-    spec = Topics(settings.topic_prefix).spec(topic)
+    spec = topic_spec(Topics(settings.topic_prefix), topic)
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
 
     def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all

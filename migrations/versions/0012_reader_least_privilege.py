@@ -27,7 +27,7 @@ from __future__ import annotations
 from alembic import op
 
 from migrations.reader import ROLE, grant_select
-from projections.progress import table as progress
+from projections.base.progress import table as progress
 from projections.registry import VIEWS
 
 revision = "0012"

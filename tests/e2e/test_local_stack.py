@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from config.settings import Settings
 from stack.procs import free_port, port_open, wait_until
-from stack.settings import Settings
 from tests.support import REPO, log_of
 
 pytestmark = pytest.mark.e2e

@@ -14,9 +14,9 @@ from flask.testing import FlaskClient
 from app import close_app, create_app
 from cdc.capture import Capture
 from commands.processor import CommandProcessor
+from config.settings import Settings
 from stack.local_kafka import LocalKafka
 from stack.procs import free_port
-from stack.settings import Settings
 from tests.support import REPO, Processes, drop_cdc_slot, new_deployment
 
 

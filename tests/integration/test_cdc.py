@@ -15,10 +15,11 @@ import pytest
 from flask.testing import FlaskClient
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
-from cdc.capture import Capture, slot_name
+from cdc.capture import Capture
+from config.settings import Settings, slot_name
+from config.topics import Topics
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
+from stack.topics import topic_spec
 from tests.changes import (
     Writer,
     changelog,
@@ -202,7 +203,7 @@ def test_the_first_snapshot_is_done_only_once_kafka_took_every_row(fresh: Settin
     insert_customers(fresh, keys, "snapshot")
     topic = Topics(fresh.topic_prefix).cdc("customers")
     admin = KafkaAdminClient(bootstrap_servers=fresh.kafka())
-    spec = Topics(fresh.topic_prefix).spec(topic)
+    spec = topic_spec(Topics(fresh.topic_prefix), topic)
 
     def limit(size: int) -> None:  # AlterConfigs resets what it is not given: give it all
         configs = {**spec.configs, "max.message.bytes": str(size)}

@@ -20,12 +20,12 @@ from kafka.structs import OffsetAndMetadata
 
 from app import close_app, create_app
 from commands.processor import CommandProcessor
+from config.settings import Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import loads
 from events.store import committed_reader, read_to_end
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import log_of, new_deployment, token
 
 pytestmark = pytest.mark.integration

@@ -9,10 +9,10 @@ from flask.testing import FlaskClient
 from kafka import KafkaProducer
 
 from commands.messages import Position
+from config.settings import Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.store import read_to_end
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import log_of, token
 
 AUTH = {"Authorization": f"Bearer {token()}"}

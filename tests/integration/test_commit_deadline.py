@@ -28,12 +28,13 @@ from commands.processor import (
     References,
     SnapshotReplica,
 )
+from config.settings import Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.store import read_to_end
 from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics, create_topics
+from stack.topics import create_topics
 from tests.support import log_of, new_deployment, token
 
 pytestmark = pytest.mark.integration

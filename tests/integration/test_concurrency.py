@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from config.settings import Settings
 from events.partitioning import partition_for
-from stack.settings import Settings
 from tests.integration.load import (
     Background,
     Clients,

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
+from config.settings import Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.integration.load import (
     RETRYABLE,
     Attempt,

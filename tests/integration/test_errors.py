@@ -21,12 +21,12 @@ from werkzeug.test import TestResponse
 from app import close_app, create_app
 from commands.messages import CommandMessage, Reply
 from commands.processor import CommandProcessor
+from config.settings import JWT_AUDIENCE, Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import Envelope
 from events.store import committed_reader, read_to_end
 from stack.procs import wait_until
-from stack.settings import JWT_AUDIENCE, Settings
-from stack.topics import Topics
 from tests.support import SECRET, log_of, new_deployment, token
 
 AUTH = {"Authorization": f"Bearer {token()}"}

@@ -22,6 +22,8 @@ from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app import close_app, create_app
+from config.settings import Settings
+from config.topics import Topics
 from events.book import BookAdded
 from events.customer import CustomerRegistered
 from events.order import OrderPaid, OrderPlaced, PlacedLine
@@ -30,8 +32,7 @@ from projections import customers, orders
 from projections.base import Output, Projection
 from projections.registry import PROJECTIONS
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
+from stack.topics import topic_spec
 from tests.integration.test_upcasting import produce_raw, v1_customer_registered
 from tests.oracle import differences
 from tests.support import (
@@ -53,7 +54,7 @@ POISON = "Poison Pill"
 
 def broken_rows() -> Any:
     """customers' rows, except that the customer named POISON makes them raise (a bug)."""
-    from projections._fold import F, field, rows_column
+    from projections.base.rows import F, field, rows_column
 
     poisoned = F.coalesce(field("name") == POISON, F.lit(False))
     fine = rows_column(customers.output)
@@ -318,7 +319,7 @@ def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
     for name in ("Gone1", "Gone2", "Kept"):
         on_partition_0(name)  # offsets 2, 3, 4
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
-    spec = Topics(settings.topic_prefix).spec(topic)
+    spec = topic_spec(Topics(settings.topic_prefix), topic)
 
     def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
         configs = {**spec.configs, "cleanup.policy": value}

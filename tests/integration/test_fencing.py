@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from config.settings import Settings
 from events.partitioning import partition_for
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.integration.load import (
     Background,
     Clients,

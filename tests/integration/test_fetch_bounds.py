@@ -12,9 +12,10 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.consumer.fetcher import ConsumerRecord
 
+from config.settings import KAFKA_MAX_BATCH_BYTES, Settings, kafka_fetch_bounds
+from config.topics import Topics
 from events.store import read_to_end
-from stack.settings import KAFKA_MAX_BATCH_BYTES, Settings, kafka_fetch_bounds
-from stack.topics import Topics, admin_client, topic_configs
+from stack.topics import admin_client, topic_configs
 
 pytestmark = pytest.mark.integration
 

@@ -27,10 +27,9 @@ from app import close_app, create_app
 from app.views_api import MAX_LIMIT
 from commands.messages import Position
 from commands.processor import CommandProcessor
+from config.settings import Settings, sqlalchemy_url
+from config.topics import Topics
 from projections.registry import VIEWS
-from stack.migrate import sqlalchemy_url
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import served, token
 from tests.wsclient import WsClient
 

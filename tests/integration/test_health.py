@@ -17,9 +17,9 @@ import requests
 from app import close_app, create_app
 from cdc.capture import Capture
 from commands.processor import CommandProcessor
+from config.settings import Settings
 from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.support import HttpApi, Processes, drop_cdc_slot, new_deployment, token
 
 ADMIN = {"Authorization": f"Bearer {token('admin')}"}

@@ -12,9 +12,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from config.settings import Settings
 from projections.registry import JOINS
 from spark.join import apply_changes
-from stack.settings import Settings
 
 pytestmark = pytest.mark.integration
 

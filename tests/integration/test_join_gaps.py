@@ -13,10 +13,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from config.settings import Settings
+from config.topics import Topics
 from projections.registry import JOINS
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import Joins, append_changes, delete_records, end_offset, projector_session
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]

@@ -22,12 +22,12 @@ from kafka import KafkaConsumer, TopicPartition
 
 from app import close_app, create_app
 from commands.messages import Position
+from config.settings import Settings
+from config.topics import Topics
 from projections.base import Join
+from projections.base.wire import wire_row, wire_value
 from projections.registry import JOINS
-from projections.wire import wire_row, wire_value
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import (
     Joins,
     Processes,

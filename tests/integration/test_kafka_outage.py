@@ -13,9 +13,9 @@ from flask.testing import FlaskClient
 from app import close_app, create_app
 from app.commands_api import IDEMPOTENCY_NAMESPACE
 from commands.processor import CommandProcessor
+from config.settings import Settings
 from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
-from stack.settings import Settings
 from stack.topics import create_topics
 from tests.support import log_of, token
 

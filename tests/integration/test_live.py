@@ -19,8 +19,8 @@ from werkzeug.serving import make_server
 from app import close_app, create_app
 from app.live import Hub
 from cdc.capture import Capture
+from config.settings import Settings
 from stack.procs import free_port, wait_until
-from stack.settings import Settings
 from tests.changes import (
     Writer,
     assert_consecutive,

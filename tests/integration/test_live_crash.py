@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from config.settings import Settings
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.changes import (
     Writer,
     assert_consecutive,

@@ -18,9 +18,9 @@ from kafka import KafkaProducer
 
 from app.live import Hub
 from cdc.capture import Capture
+from config.settings import Settings
+from config.topics import Topics
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.changes import (
     Writer,
     assert_consecutive,

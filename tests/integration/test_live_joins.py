@@ -14,8 +14,8 @@ import psycopg
 import pytest
 
 from commands.messages import Position
+from config.settings import Settings
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.changes import slot_ready
 from tests.support import (
     HttpApi,

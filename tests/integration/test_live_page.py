@@ -26,9 +26,9 @@ from werkzeug.serving import make_server
 
 from app import close_app, create_app
 from app.live import Hub
-from cdc.capture import Capture, slot_name
+from cdc.capture import Capture
+from config.settings import Settings, slot_name
 from stack.procs import free_port, wait_until
-from stack.settings import Settings
 from tests.support import token
 
 pytestmark = pytest.mark.integration

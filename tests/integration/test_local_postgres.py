@@ -10,10 +10,10 @@ import psycopg
 import pytest
 
 from app import close_app, create_app
+from config.settings import Settings
 from projections.registry import VIEWS
 from stack.local_postgres import LocalPostgres
 from stack.procs import free_port
-from stack.settings import Settings
 from tests.support import new_deployment, token
 
 pytestmark = pytest.mark.integration

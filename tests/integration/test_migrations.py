@@ -6,11 +6,11 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-import projections.progress
+import projections.base.progress
 import projections.registry  # noqa: F401  (every view's table)
+from config.settings import Settings, sqlalchemy_url
 from projections import metadata
-from stack.migrate import sqlalchemy_url, upgrade
-from stack.settings import Settings
+from stack.migrate import upgrade
 from tests.support import new_deployment
 
 

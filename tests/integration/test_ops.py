@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import close_app, create_app
 from commands.registry import COMMANDS
+from config.settings import Settings
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.support import new_deployment, token
 
 ADMIN = {"Authorization": f"Bearer {token('admin')}"}

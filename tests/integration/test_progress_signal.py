@@ -15,10 +15,10 @@ from psycopg.types.json import Jsonb
 import app.read_model as read_model
 from app.read_model import ProgressSignal, ReadModel
 from commands.messages import Position
+from config.settings import Settings
+from config.topics import Topics
 from projections.registry import FOLDS
 from stack.procs import free_port, wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import fill_log, new_deployment
 
 

@@ -16,9 +16,9 @@ import pytest
 from flask.testing import FlaskClient
 
 from app.read_model import ReadModel
+from config.settings import Settings
 from projections.registry import PROJECTIONS, VIEWS
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.oracle import actual, differences
 from tests.support import (
     Processes,
@@ -147,10 +147,10 @@ def test_replaying_already_applied_events_changes_nothing(
 ) -> None:
     """The whole log, given again to the pipeline's batch function as one batch (a duplicated
     delivery), changes no view: every projection has applied it already."""
+    from config.topics import Topics
     from projections.registry import PROJECTIONS
     from spark.decode import every_event, parse_events, read_batch
     from spark.event_pipeline import EventSink
-    from stack.topics import Topics
 
     caught_up(deployment)
     before = actual(deployment)

@@ -17,11 +17,10 @@ from click.testing import CliRunner
 
 from app.health import HealthChecks
 from app.read_model import ReadModel
-from cdc.capture import slot_name
-from projections.progress import table as progress
+from config.settings import Settings, slot_name
+from projections.base.progress import table as progress
 from projections.registry import VIEWS
 from stack import cli
-from stack.settings import Settings
 from tests.support import new_deployment
 
 pytestmark = pytest.mark.integration

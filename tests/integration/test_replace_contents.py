@@ -10,8 +10,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from config.settings import Settings
 from spark.sink import replace_contents
-from stack.settings import Settings
 
 pytestmark = pytest.mark.integration
 

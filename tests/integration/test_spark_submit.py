@@ -12,10 +12,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from config.settings import Settings
 from events.customer import CustomerRegistered
 from spark.session import kafka_jars
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.support import REPO, append_events, child_env, new_deployment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

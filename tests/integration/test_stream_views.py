@@ -22,12 +22,12 @@ from kafka import KafkaProducer
 
 from app import close_app, create_app
 from app.read_model import ReadModel
+from config.settings import Settings
+from config.topics import Topics
 from events.order import OrderPaid, OrderPlaced, PlacedLine
 from events.partitioning import partition_for
 from events.serialization import dumps
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from streams.ingest import FactRecord
 from tests import stream_oracle
 from tests.support import (

@@ -18,13 +18,14 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaTimeoutError
 
 from app import close_app, create_app
+from config.settings import Settings
+from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import loads
 from events.store import drain, read_to_end
 from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics, create_topics
+from stack.topics import create_topics
 from streams.ingest import Ingestion
 from tests.support import token
 

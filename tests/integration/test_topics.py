@@ -10,14 +10,15 @@ import uuid
 import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from stack.settings import Settings
+from config.settings import Settings
+from config.topics import Topics
 from stack.topics import (
     TopicMisconfigured,
-    Topics,
     captured_tables,
     check_topics,
     create_topics,
     topic_configs,
+    topic_specs,
     wait_for_topics,
 )
 from tests.support import cli as run_cli
@@ -46,7 +47,7 @@ def make_topics(
             settings.replication_factor,
             topic_configs={**spec.configs, **(configs or {}).get(spec.name, {})},
         )
-        for spec in topics.specs()
+        for spec in topic_specs(topics)
         if spec.name != skip
     ]
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka(), request_timeout_ms=30000)
@@ -98,7 +99,7 @@ def test_a_missing_topic_is_named_with_the_command_that_creates_it(
 def test_a_deployment_with_no_topics_lists_every_one(base_settings: Settings) -> None:
     settings = fresh(base_settings)
     message = problems_of(settings)
-    names = [spec.name for spec in Topics(settings.topic_prefix).specs()]
+    names = [spec.name for spec in topic_specs(Topics(settings.topic_prefix))]
     assert len(problem_lines(message)) == len(names)
     for name in names:
         assert f"topic {name} is missing" in message
@@ -136,7 +137,7 @@ def test_settings_with_another_partition_count_flag_every_partitioned_topic(
     other = deployment.model_copy(update={"partitions": deployment.partitions * 2})
     message = problems_of(other)
     # Changelogs have one partition whatever the setting: a table's changes are one order.
-    specs = Topics(deployment.topic_prefix).specs()
+    specs = topic_specs(Topics(deployment.topic_prefix))
     names = [spec.name for spec in specs if spec.partitions is None]
     assert [s.name for s in specs if s.partitions == 1] == [
         Topics(deployment.topic_prefix).cdc(t) for t in captured_tables()
@@ -153,7 +154,7 @@ def test_settings_with_another_partition_count_flag_every_partitioned_topic(
 def test_the_cli_checks_a_good_deployment_and_lists_its_topics(deployment: Settings) -> None:
     done = cli(deployment, "topics")
     assert done.returncode == 0, done.stderr
-    for spec in Topics(deployment.topic_prefix).specs():
+    for spec in topic_specs(Topics(deployment.topic_prefix)):
         assert f"ok  {spec.name}" in done.stdout
 
 

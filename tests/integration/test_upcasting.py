@@ -10,12 +10,12 @@ import pytest
 from flask.testing import FlaskClient
 from kafka import KafkaProducer
 
+from config.settings import Settings
+from config.topics import Topics
 from events.customer import CustomerRegistered
 from events.partitioning import partition_for
 from events.store import read_events, read_to_end
 from events.upcasting import UnknownSchemaVersion
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import new_deployment, token
 
 

@@ -24,10 +24,10 @@ from werkzeug.test import TestResponse
 from app.read_model import ReadModel
 from commands.messages import Position
 from commands.registry import AGGREGATES
+from config.settings import Settings
+from config.topics import Topics
 from projections.registry import PROJECTIONS, VIEWS
 from stack.procs import wait_until
-from stack.settings import Settings
-from stack.topics import Topics
 from tests.support import fill_log, health_component, new_deployment, token
 
 pytestmark = pytest.mark.integration
@@ -1019,7 +1019,7 @@ def test_a_row_claim_restricts_every_read_of_views_with_that_column(
 def test_a_malformed_row_claim_is_an_invalid_token(client: FlaskClient) -> None:
     import jwt
 
-    from stack.settings import JWT_AUDIENCE
+    from config.settings import JWT_AUDIENCE
     from tests.support import SECRET
 
     now = int(time.time())

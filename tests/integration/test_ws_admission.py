@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stack.settings import Settings
+from config.settings import Settings
 from tests.support import served, token
 from tests.wsclient import WsClient
 

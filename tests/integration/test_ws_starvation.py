@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from config.settings import Settings
 from stack.procs import wait_until
-from stack.settings import Settings
 from tests.support import HttpApi, Processes, drop_cdc_slot, new_deployment, token
 from tests.wsclient import WsClient
 

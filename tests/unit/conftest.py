@@ -105,8 +105,8 @@ def spark() -> Iterator[SparkSession]:
     """Logfold's own session (`spark.session.session`), on one core. Made the same way as the
     integration tests' sessions: the first session of a test run starts the JVM, and only jars
     given then (the Kafka connector) can be found by the sessions that follow."""
+    from config.settings import Settings
     from spark.session import session as logfold_session
-    from stack.settings import Settings
 
     settings = Settings(spark_master="local[1]", spark_shuffle_partitions=1)
     session = logfold_session(settings, "logfold-unit")

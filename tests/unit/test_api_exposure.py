@@ -22,8 +22,8 @@ from app import close_app, create_app
 from app.auth import issue_token
 from commands import bus as command_bus
 from commands.messages import Position
+from config.settings import JWT_AUDIENCE, Settings
 from stack import cli
-from stack.settings import JWT_AUDIENCE, Settings
 from streams import ingest
 
 SECRET = "unit-secret-Xq9Lw2Rt7Yp4Kz8Nb3Vc6Hm1Jd5Gf0"

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from pyspark.sql import SparkSession
 
+from config.settings import Settings
 from projections.registry import PROJECTIONS
 from spark.event_pipeline import EventSink, sample_batch
 from spark.session import LEAN_EXCLUDED_RULES, BatchPlanning, full_planning
-from stack.settings import Settings
 
 pytestmark = pytest.mark.spark
 

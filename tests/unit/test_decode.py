@@ -15,7 +15,7 @@ from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, Struc
 from events.catalog import EVENT_TYPES
 from events.order import PlacedLine
 from events.serialization import dumps, encode, envelope_for, to_data
-from projections._fold import PAID_LINE
+from projections.base.rows import PAID_LINE
 from spark.decode import DATA, _field_type, every_event, parse_events
 from streams.ingest import FactRecord
 from tests.unit.test_serialization import SAMPLES, stored

@@ -1,5 +1,5 @@
 """Every kafka-python consumer Logfold makes takes the fetch bounds of `kafka_fetch_bounds`
-(stack/settings.py): without them, a fetch response larger than the client's frame bound closes
+(config/settings.py): without them, a fetch response larger than the client's frame bound closes
 its connection (tests/integration/test_fetch_bounds.py shows that it happens, and that the
 bounds prevent it)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from stack.settings import KAFKA_MAX_BATCH_BYTES, kafka_fetch_bounds
+from config.settings import KAFKA_MAX_BATCH_BYTES, kafka_fetch_bounds
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "bench", "cdc", "commands", "events", "projections", "spark", "stack", "streams")

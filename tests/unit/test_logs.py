@@ -1,4 +1,4 @@
-"""Log setup (stack/logs.py): levels, what each level shows, text lines prefixed with their
+"""Log setup (config/logs.py): levels, what each level shows, text lines prefixed with their
 process, and the relay of a child's output that `logfold run` prefixes and holds back while the
 child stops; and `logfold run`'s minute line (stack/pulse.py)."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from stack import logs
+from config import logs
+from config.settings import Settings
 from stack.pulse import Counts, line
-from stack.settings import Settings
 
 
 @pytest.fixture

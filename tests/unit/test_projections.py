@@ -25,6 +25,7 @@ from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRe
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
 from events.serialization import to_data
 from projections import author_royalties, books, customers, orders, sales_by_hour
+from projections.base.rows import fold
 from spark.decode import data_fields
 
 pytestmark = pytest.mark.spark
@@ -91,7 +92,7 @@ def test_customers_take_each_field_from_its_latest_event(spark: SparkSession) ->
         ("customer", "c1", 3, CustomerEmailChanged("ada@x.org"), 2),
         ("customer", "c2", 1, CustomerRegistered("Bo", "b@x.org"), 3),
     )
-    assert rows(customers.output.transform(events)) == [
+    assert rows(fold(customers.output, events)) == [
         {
             "customer_id": "c1",
             "name": "Ada L",
@@ -111,7 +112,7 @@ def test_customers_take_each_field_from_its_latest_event(spark: SparkSession) ->
 
 def test_a_batch_without_the_creating_event_yields_a_partial_row(spark: SparkSession) -> None:
     events = log(spark, ("customer", "c1", 4, CustomerRenamed("New"), 0))
-    assert rows(customers.output.transform(events)) == [
+    assert rows(fold(customers.output, events)) == [
         {"customer_id": "c1", "name": "New", "email": None, "registered_at": None, "version": 4}
     ]
 
@@ -125,7 +126,7 @@ def test_orders_follow_status_and_timestamps(spark: SparkSession) -> None:
         ("order", "o2", 1, OrderPlaced("c2", (EMMA,), 999), 1),
         ("order", "o2", 2, OrderCancelled("no"), 2),
     )
-    assert rows(orders.output.transform(events)) == [
+    assert rows(fold(orders.output, events)) == [
         {
             "order_id": "o1",
             "customer_id": "c1",
@@ -159,7 +160,7 @@ def test_books_keep_their_details_and_add_up_units_paid(spark: SparkSession) -> 
         ("order", "o1", 2, OrderPaid(2999, (DUNE, EMMA)), 2),
         ("order", "o2", 2, OrderPaid(2000, (DUNE,)), 3),
     )
-    assert rows(books.output.transform(events)) == [
+    assert rows(fold(books.output, events)) == [
         {
             "book_id": "dune",
             "title": "Dune",
@@ -189,7 +190,7 @@ def test_royalties_count_paid_orders_only_rounding_half_up_per_line(spark: Spark
         ("order", "o1", 2, OrderPaid(2000, (DUNE, odd)), 1),
         ("order", "o2", 2, OrderPaid(999, (EMMA,)), 2),
     )
-    assert rows(author_royalties.output.transform(events)) == [
+    assert rows(fold(author_royalties.output, events)) == [
         {"author": "Austen", "royalty_cents": 100, "units_sold": 1},
         {"author": "Herbert", "royalty_cents": 251, "units_sold": 3},
     ]
@@ -207,7 +208,7 @@ def test_sales_windows_are_hourly_in_event_time_and_late_events_are_set_aside(
         ("order", "o3", 2, OrderPaid(999, (EMMA,)), 44, 9),  # 10:59, 9 min late: ok
         ("order", "o4", 2, OrderPaid(2000, (DUNE,)), 30, 11),
     )  # 10:45, 11 min late
-    assert rows(sales_by_hour.windows.transform(events)) == [
+    assert rows(fold(sales_by_hour.windows, events)) == [
         {
             "book_id": "dune",
             "window_start": datetime(2026, 11, 21, 10),
@@ -227,7 +228,7 @@ def test_sales_windows_are_hourly_in_event_time_and_late_events_are_set_aside(
             "revenue_cents": 999,
         },
     ]
-    [late] = rows(sales_by_hour.late.transform(events))
+    [late] = rows(fold(sales_by_hour.late, events))
     assert (late["event_id"], late["occurred_at"]) == ("e3", naive(30))
     assert late["watermark"] == naive(31)
 
@@ -241,7 +242,7 @@ def test_a_whole_logs_rows_are_each_events_rows_and_run_without_lambdas(
     slower)."""
     import json
 
-    from projections._fold import rows_column, rows_frame
+    from projections.base.rows import rows_column, rows_frame
     from projections.registry import PROJECTIONS
 
     events = log(

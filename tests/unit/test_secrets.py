@@ -14,10 +14,10 @@ import pytest
 
 from app import create_app
 from app.auth import WeakSecret, check_secret
+from config.settings import Settings
 from stack import stack_env
 from stack.local import load_or_create_secret, secret_for
 from stack.procs import wait_until
-from stack.settings import Settings
 
 GOOD = "q3J7x9PzK2mW8vN4tR6yB1cF5hL0dS-_aE"
 

@@ -17,7 +17,9 @@ import pytest
 PROCESSES = {
     "api": "import stack.cli, stack.local, stack.serve, app",
     "cdc": "import cdc.capture",
-    "migrations": "import cdc.state, projections.progress, projections.registry, stack.migrate",
+    "migrations": (
+        "import cdc.state, projections.base.progress, projections.registry, stack.migrate"
+    ),
     "read model": "from projections.registry import FOLDS; [f.views for f in FOLDS.values()]",
 }
 
@@ -44,3 +46,29 @@ def test_the_check_sees_pyspark_when_it_is_imported() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.stdout.strip() == "True", done.stderr
+
+
+# What the API process must not load: Spark, the migration tooling and its scripts, the CDC
+# process's replication driver, and the roof (the CLI and local services).
+NOT_FOR_THE_API = ("pyspark", "alembic", "psycopg2", "migrations", "stack")
+
+
+def test_the_api_loads_none_of_what_it_does_not_run() -> None:
+    """The Flask application and every module it imports (app/*, built as a process does)."""
+    script = textwrap.dedent(f"""
+        import pkgutil, sys
+        import app
+        for info in pkgutil.iter_modules(app.__path__):
+            __import__(f"app.{{info.name}}")
+        app.create_app
+        banned = {NOT_FOR_THE_API!r}
+        loaded = sorted(
+            m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in banned)
+        )
+        print(",".join(loaded))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"the API loaded {done.stdout.strip()}"

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
+from config.settings import Settings
+from config.topics import Topics
 from projections.registry import JOINS, PROJECTIONS
 from spark.event_pipeline import realtime_slots
 from spark.session import with_slots
-from stack.settings import Settings
-from stack.topics import Topics
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Spark building blocks of the projections' rows.
 
 Only Spark jobs import this module: a projection's `rows()` imports what it needs inside its
-body (`from projections._fold import F, field, one, …`), so its declaration loads without
+body (`from projections.base.rows import F, field, one, …`), so its declaration loads without
 Spark."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sqlalchemy import Table
 from sqlalchemy.sql import sqltypes
 
 if TYPE_CHECKING:
-    from projections.base import Output
+    from projections.base.declarations import Output
 
 __all__ = [
     "PAID_LINE",

@@ -3,13 +3,15 @@ and `DATABASE_URL`). Unset Kafka/Postgres addresses mean "start local ones" unde
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlparse
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from stack.logs import level_of
+from config.logs import level_of
 
 # A Kafka consumer's request unanswered this long fails and is retried (kafka-python waits 305 s).
 KAFKA_REQUEST_TIMEOUT_MS = 30_000
@@ -157,7 +159,7 @@ class Settings(BaseSettings):
     health_interval_s: float = Field(default=2.0, gt=0)
     health_timeout_s: float = Field(default=3.0, gt=0)
     health_failures: int = Field(default=3, ge=1)
-    # What each process logs (stack/logs.py): `info` is what an operator needs, `debug` brings
+    # What each process logs (config/logs.py): `info` is what an operator needs, `debug` brings
     # the libraries' chatter, Spark's warnings and the output of processes as they stop.
     log_level: str = "info"
     log_format: Literal["json", "text"] = "json"  # `logfold run`'s processes: text
@@ -200,3 +202,21 @@ class Settings(BaseSettings):
                 "or point DATABASE_URL at one (postgresql://user:pass@host:port/db)"
             )
         return self.database_url
+
+
+def slot_name(settings: Settings) -> str:
+    """`LOGFOLD_CDC_SLOT`, or one per database (slot names are global to the server). The
+    database is named by either login: the API may be given only its own."""
+    if settings.cdc_slot:
+        return settings.cdc_slot
+    url = settings.database_url or settings.api_database()
+    database = urlparse(url).path.lstrip("/") or "postgres"
+    return ("logfold_cdc_" + re.sub(r"[^a-z0-9_]", "_", database.lower()))[:63]
+
+
+def sqlalchemy_url(database_url: str) -> str:
+    """`database_url` as SQLAlchemy names it, with psycopg (3) as the driver."""
+    for prefix in ("postgresql://", "postgres://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url[len(prefix) :]
+    return database_url

@@ -36,7 +36,7 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
 
 if TYPE_CHECKING:
-    from stack.topics import Topics
+    from config.topics import Topics
 
 Merge = Literal["latest", "sum"]
 Offsets = dict[str, int]  # "topic:partition" -> last applied offset
@@ -70,15 +70,15 @@ class Output(View):
     """A view a projection writes: the rows each event adds to it, and how rows combine.
 
     `rows()` gives the rows one event adds (over the columns of `spark/decode.py`), each a
-    struct of the table's columns: built in parts by `projections/_fold.py` (`one`, `each`,
+    struct of the table's columns: built in parts by `projections/base/rows.py` (`one`, `each`,
     `each_paid_line`: a `Rows`), or any Spark column of an array of them. Rows with the same
     key combine by `merge`: `latest` takes the value of the newest row (by `version_column`)
     that sets it, `sum` adds; any other column keeps the first row's value. The live pipeline
     combines a batch's rows in Postgres (`combine_sql`, then `upsert_sql` into the table); a
-    rebuild combines the whole log's in Spark (`transform`). Both follow these rules, so both
-    give the same table."""
+    rebuild combines the whole log's in Spark (`projections.base.rows.fold`). Both follow these
+    rules, so both give the same table."""
 
-    rows: Callable[[], Any]  # () -> `projections._fold.Rows`, or a pyspark Column of an array
+    rows: Callable[[], Any]  # () -> `projections.base.rows.Rows`, or a pyspark Column of an array
     merge: dict[str, Merge]
     version_column: str | None = "version"
     late: bool = False  # its rows are late events, counted in the projection's progress
@@ -102,22 +102,16 @@ class Output(View):
             return "version"
         return self.merge.get(column, "first")
 
-    def transform(self, events: Any) -> Any:
-        """The table's rows from `events` (a Spark DataFrame): every event's rows, combined."""
-        from projections._fold import fold
-
-        return fold(self, events)
-
     @property
     def replayed(self) -> bool:
         """Whether a rebuild must replay the log through `merge_sql` (the rows of this output
-        combine only in Postgres) instead of folding it in Spark (`transform`)."""
+        combine only in Postgres) instead of folding it in Spark (`projections.base.rows.fold`)."""
         return False
 
     def load_statements(self, target: str) -> list[str]:
-        """The statements a rebuild runs once after bulk-loading `transform`'s rows into
-        `target` (this table's shadow): what `merge_sql` does to each batch's rows in Postgres
-        and the fold in Spark cannot. None by default."""
+        """The statements a rebuild runs once after bulk-loading the rows that
+        `projections.base.rows.fold` builds into `target` (this table's shadow): what `merge_sql`
+        does to each batch's rows in Postgres and the fold in Spark cannot. None by default."""
         return []
 
     def merge_statements(self, suffix: str, rows: str) -> list[str]:
@@ -285,7 +279,7 @@ class Projection(Fold):
 
 Role = Literal["left", "right"]
 ROLES: tuple[Role, Role] = ("left", "right")
-JOIN_STATE = "join_state"  # projections/join_state.py
+JOIN_STATE = "join_state"  # projections/base/join_state.py
 _NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
