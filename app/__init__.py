@@ -9,10 +9,19 @@ from typing import Any
 
 from flask import Flask
 
-from app import commands_api, errors, live_page, ops, streams_api, views_api, ws_api
+from app import (
+    commands_api,
+    errors,
+    live_page,
+    ops,
+    streams_api,
+    views_api,
+    ws_admission,
+    ws_api,
+)
 from app.auth import check_secret
 from app.health import HealthChecks, HealthMonitor
-from app.live import Hub
+from app.hub import Hub
 from app.metrics import Metrics
 from app.openapi import build_spec
 from app.read_model import ReadModel
@@ -52,7 +61,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
     app.config["SOCK_SERVER_OPTIONS"] = {"max_message_size": settings.ws_max_message_bytes}
-    app.extensions["logfold.ws_admission"] = ws_api.Admission(
+    app.extensions["logfold.ws_admission"] = ws_admission.Admission(
         settings.ws_max_open,
         settings.ws_max_per_subject,
         settings.ws_max_pending,

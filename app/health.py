@@ -24,7 +24,7 @@ from config.settings import Settings, kafka_fetch_bounds, slot_name
 from config.topics import Topics
 
 if TYPE_CHECKING:
-    from app.live import Hub
+    from app.hub import Hub
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
 from cdc.changes import Snapshot
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import Settings, kafka_fetch_bounds, slot_name, sqlalchemy_url
 from config.topics import Topics, partition_of
 from projections.base import Fold, View
@@ -324,7 +324,7 @@ class ReadModel:
         """The rows matching `filters` (at most limit + 1) and the MVCC snapshot they were read
         in: one REPEATABLE READ transaction, so the rows hold exactly the changes of the
         transactions it sees. Nothing is locked: writers go on (the websocket stream hands
-        off by transaction, see app/live.py)."""
+        off by transaction, see app/hub.py)."""
         t = output.table
         query = sa.select(t).order_by(*(t.c[k] for k in output.key)).limit(limit + 1)
         for column, value in filters.items():
@@ -354,18 +354,20 @@ class ReadModel:
                     found[label] = int(conn.execute(sa.text(query)).scalar_one())
         return found
 
-    def includes(self, fold: Fold, position: Position) -> bool:
+    def includes(self, fold: Fold, position: LogPosition) -> bool:
         """Whether `fold` has applied the record at `position`, if it reads its partition."""
         key = f"{position.topic}:{position.partition}"
         applied = self.progress().get(fold.name, {}).get("offsets", {})
         return int(applied.get(key, -1)) >= position.offset
 
-    def reads(self, fold: Fold, position: Position) -> bool:
+    def reads(self, fold: Fold, position: LogPosition) -> bool:
         """Whether `fold` reads the partition of `position`."""
         key = f"{position.topic}:{position.partition}"
         return key in fold.reads(self.topics, self.settings.partitions)
 
-    def wait_for(self, fold: Fold, position: Position, timeout: float, subject: str = "-") -> bool:
+    def wait_for(
+        self, fold: Fold, position: LogPosition, timeout: float, subject: str = "-"
+    ) -> bool:
         """Wait until the view includes the event at `position`; False after `timeout` s.
         Raises BeyondTheLog at once for a position past the log's end, TooManyWaiters when
         `subject` (or the process) has as many waits under way as it may."""
@@ -373,7 +375,7 @@ class ReadModel:
         with self.waiters.held(subject):
             return self._wait(fold, position, time.monotonic() + timeout)
 
-    def check(self, position: Position) -> None:
+    def check(self, position: LogPosition) -> None:
         """BeyondTheLog unless `position` is in its partition's log (for a topic a fold reads;
         any other the read side has nothing to wait for)."""
         key = f"{position.topic}:{position.partition}"
@@ -392,7 +394,7 @@ class ReadModel:
                 "no command was given it; use the `position` of a command's response"
             )
 
-    def _wait(self, fold: Fold, position: Position, deadline: float) -> bool:
+    def _wait(self, fold: Fold, position: LogPosition, deadline: float) -> bool:
         """A fold that reads the event's partition includes it once its progress passed it. A
         fold that reads changelogs includes it once (1) the folds writing its input tables
         include it, (2) CDC has confirmed the WAL up to a position taken after that (Kafka holds
@@ -419,7 +421,7 @@ class ReadModel:
 
         return _poll(applied, deadline, self.signal)
 
-    def _depends(self, fold: Fold, position: Position) -> bool:
+    def _depends(self, fold: Fold, position: LogPosition) -> bool:
         """Whether the event at `position` can change what `fold` writes."""
         return self.reads(fold, position) or any(self._depends(w, position) for w in writers(fold))
 

@@ -13,7 +13,7 @@ from app.auth import has_scope, narrowed, require, row_scope
 from app.errors import ApiError, too_many, unavailable
 from app.health import public_lag
 from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
-from commands.messages import Position
+from commands.messages import LogPosition
 from projections.base import Fold, View
 from projections.registry import VIEWS
 
@@ -75,7 +75,7 @@ def _consistent(projection: Fold) -> None:
     if not token:
         return
     try:
-        position = Position.parse(token)
+        position = LogPosition.parse(token)
     except ValueError as e:
         raise _bad_position(e, "not a position token") from e
     wait = _number("wait", 5.0, 0.0, MAX_WAIT_S)

@@ -1,5 +1,5 @@
 """`/ws`: subscribe to views and receive their changes (protocol in docs/api.md, design in
-app/live.py).
+app/hub.py).
 
 Each connection has two threads: this handler, which reads the client's messages, and a sender
 that drains the client's outbox into the socket (and sends heartbeats when idle)."""
@@ -12,13 +12,11 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
 from kafka.errors import KafkaError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -26,11 +24,12 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from app.auth import narrowed, row_scope, scopes, verify
 from app.errors import ApiError, too_many, unavailable
 from app.health import public_lag
-from app.live import Client, Hub, Subscription, Unservable
+from app.hub import Client, Hub, Subscription, Unservable
 from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
-from cdc.changes import Position, Snapshot
-from commands.messages import Position as CommandPosition
-from commands.schemas import details
+from app.ws_admission import Admission, Ticket, TokenBucket
+from app.ws_messages import Problem, Subscribe, Unsubscribe, parse
+from cdc.changes import Snapshot, WalPosition
+from commands.messages import LogPosition
 from config.settings import Settings
 from projections.base import Fold
 from projections.registry import VIEWS
@@ -43,128 +42,6 @@ sock = Sock()
 UNAUTHORIZED, FORBIDDEN, TOO_MANY_FOR_SUBJECT = 4401, 4403, 4429
 TRY_AGAIN_LATER = 1013  # RFC 6455's registry: the server is overloaded
 HUB_WAIT_S = 15.0
-DEFAULT_WAIT_S, MAX_WAIT_S = 5.0, 30.0  # as REST's ?wait=
-
-Scalar = str | int | float | bool | None
-
-
-class Subscribe(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    op: str
-    id: str = Field(min_length=1, max_length=64)
-    view: str = Field(min_length=1, max_length=100)
-    filter: dict[str, Scalar] = Field(default_factory=dict, max_length=16)
-    since: str | None = Field(default=None, max_length=4096)  # a snapshot lists its xip
-    # Read-your-writes: take the snapshot once the view includes this command position.
-    consistent_with: str | None = Field(default=None, max_length=200)
-    wait: float = Field(default=DEFAULT_WAIT_S, ge=0, le=MAX_WAIT_S)
-
-
-class Unsubscribe(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    op: str
-    id: str = Field(min_length=1, max_length=64)
-
-
-class Problem(Exception):
-    def __init__(self, code: str, message: str, sub_id: str | None = None, **details: Any) -> None:
-        super().__init__(message)
-        self.code, self.message, self.sub_id, self.details = code, message, sub_id, details
-
-
-@dataclass
-class Ticket:
-    """Which of `Admission`'s pools a socket holds a place in: `pending` while it waits for
-    its `auth` message, `open` once authenticated."""
-
-    pool: str
-    address: str
-
-
-class Admission:
-    """How many websockets this API process holds. Each holds a server thread for its whole
-    life, so together they take at most the threads not reserved for REST.
-
-    A socket whose handshake carried a valid token is admitted at once, into `max_open`
-    places, at most `max_per_subject` per token subject. One without (it will send an `auth`
-    message, or nothing) waits in a small pool of its own, `max_pending` places, at most
-    `max_pending_per_address` per client address, for `ws_auth_timeout_s` at most: a flood of
-    sockets that never authenticate fills that pool, never the admitted one."""
-
-    def __init__(
-        self,
-        max_open: int,
-        max_per_subject: int,
-        max_pending: int = 32,
-        max_pending_per_address: int = 8,
-    ) -> None:
-        self.max_open, self.max_per_subject = max_open, max_per_subject
-        self.max_pending, self.max_pending_per_address = max_pending, max_pending_per_address
-        self.open = 0
-        self.subjects: dict[str, int] = {}
-        self.pending: dict[str, int] = {}  # per client address
-        self._lock = threading.Lock()
-
-    def enter(self) -> bool:
-        with self._lock:
-            if self.open >= self.max_open:
-                return False
-            self.open += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self.open -= 1
-
-    def enter_pending(self, address: str) -> str | None:
-        """A place to wait for the `auth` message, or why not: `full` or `address`."""
-        with self._lock:
-            if sum(self.pending.values()) >= self.max_pending:
-                return "full"
-            if self.pending.get(address, 0) >= self.max_pending_per_address:
-                return "address"
-            self.pending[address] = self.pending.get(address, 0) + 1
-            return None
-
-    def leave_pending(self, address: str) -> None:
-        with self._lock:
-            _drop(self.pending, address)
-
-    def promote(self, ticket: Ticket) -> bool:
-        """Move an authenticated socket from the pending pool to the admitted one."""
-        with self._lock:
-            if ticket.pool != "pending" or self.open >= self.max_open:
-                return False
-            _drop(self.pending, ticket.address)
-            self.open += 1
-            ticket.pool = "open"
-            return True
-
-    def release(self, ticket: Ticket) -> None:
-        if ticket.pool == "open":
-            self.leave()
-        elif ticket.pool == "pending":
-            self.leave_pending(ticket.address)
-        ticket.pool = "none"
-
-    def enter_subject(self, subject: str) -> bool:
-        with self._lock:
-            if self.subjects.get(subject, 0) >= self.max_per_subject:
-                return False
-            self.subjects[subject] = self.subjects.get(subject, 0) + 1
-            return True
-
-    def leave_subject(self, subject: str) -> None:
-        with self._lock:
-            _drop(self.subjects, subject)
-
-
-def _drop(counts: dict[str, int], key: str) -> None:
-    left = counts.get(key, 1) - 1
-    if left:
-        counts[key] = left
-    else:
-        counts.pop(key, None)
 
 
 @bp.before_request
@@ -406,9 +283,9 @@ class Connection:
             sub_id = message.get("id") if isinstance(message.get("id"), str) else None
             op = message.get("op")
             if op == "subscribe":
-                self._subscribe(_parse(Subscribe, message))
+                self._subscribe(parse(Subscribe, message))
             elif op == "unsubscribe":
-                self._unsubscribe(_parse(Unsubscribe, message))
+                self._unsubscribe(parse(Unsubscribe, message))
             elif op == "auth":
                 pass  # already authenticated
             else:
@@ -473,10 +350,10 @@ class Connection:
             wanted = self.model.filter_values(output, claimed)
         except BadValue as e:
             raise Problem("validation_failed", str(e), m.id) from e
-        since: Position | Snapshot | None = None
+        since: WalPosition | Snapshot | None = None
         if m.since is not None:  # a change's position, or a snapshot's (nothing received after)
             try:
-                since = Snapshot.parse(m.since) if ":" in m.since else Position.parse(m.since)
+                since = Snapshot.parse(m.since) if ":" in m.since else WalPosition.parse(m.since)
             except ValueError as e:
                 raise Problem("validation_failed", str(e), m.id) from e
         if m.consistent_with is not None:
@@ -496,7 +373,7 @@ class Connection:
         REST's `?consistent_with=&wait=`); an error `timeout` with the lag if it does not."""
         assert m.consistent_with is not None
         try:
-            written = CommandPosition.parse(m.consistent_with)
+            written = LogPosition.parse(m.consistent_with)
         except ValueError as e:
             raise Problem("validation_failed", f"consistent_with: {e}", m.id) from e
         try:
@@ -521,7 +398,7 @@ class Connection:
             lag=lag,
         )
 
-    def _start(self, sub: Subscription, since: Position | Snapshot | None) -> None:
+    def _start(self, sub: Subscription, since: WalPosition | Snapshot | None) -> None:
         if not self.hub.ready.wait(HUB_WAIT_S):
             raise Problem("unavailable", "the changelogs are not readable yet; retry", sub.id)
         if since is not None:
@@ -578,29 +455,3 @@ class Connection:
             raise Problem("not_found", f"no subscription {m.id!r}", m.id)
         self.hub.unsubscribe(sub)
         self.client.offer({"type": "unsubscribed", "id": m.id})
-
-
-class TokenBucket:
-    """`burst` at once, then `rate` a second."""
-
-    def __init__(self, burst: int, rate: float) -> None:
-        self.burst, self.rate = burst, rate
-        self.tokens, self.at = float(burst), time.monotonic()
-
-    def take(self) -> float:
-        """0 when one is taken; else the seconds until one will be there (none is taken)."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
-
-
-def _parse(model: type[BaseModel], message: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(message)
-    except ValidationError as e:
-        problems = "; ".join(f"{d['field'] or 'message'}: {d['problem']}" for d in details(e))
-        raise Problem("validation_failed", problems) from e

@@ -90,7 +90,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import loadgen
 from bench.loadgen import percentile
 from bench.procstat import CpuMeter
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import Settings
 from config.topics import Topics
 from events.book import BookAdded
@@ -713,7 +713,7 @@ def idle(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def included(settings: Settings, token_: str) -> bool:
-    p = Position.parse(token_)
+    p = LogPosition.parse(token_)
     with psycopg.connect(settings.database()) as conn:
         row = conn.execute(
             "SELECT offsets ->> %s FROM projection_progress WHERE projection = 'customers'",

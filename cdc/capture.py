@@ -26,7 +26,7 @@ from kafka.errors import KafkaError
 from sqlalchemy import Table
 
 from cdc import pgoutput
-from cdc.changes import Change, Position, record_for
+from cdc.changes import Change, WalPosition, record_for
 from config.settings import Settings, slot_name
 from config.topics import Topics
 from projections.base.wire import wire_row, wire_value
@@ -180,7 +180,7 @@ class Capture:
             elif isinstance(message, pgoutput.Insert | pgoutput.Update | pgoutput.Delete):
                 assert begin is not None
                 change = self._change(
-                    message, Position(begin.final_lsn, len(changes) + 1), begin.xid
+                    message, WalPosition(begin.final_lsn, len(changes) + 1), begin.xid
                 )
                 if change is not None:
                     changes.append(change)
@@ -206,7 +206,7 @@ class Capture:
     def _change(
         self,
         message: pgoutput.Insert | pgoutput.Update | pgoutput.Delete,
-        position: Position,
+        position: WalPosition,
         xid: int,
     ) -> Change | None:
         relation = self._relations[message.relation]
@@ -285,7 +285,7 @@ class Capture:
                 for row in _rows(conn, name):
                     seq += 1
                     change = Change(
-                        name, "insert", self._key(table, row), row, None, Position(start, seq)
+                        name, "insert", self._key(table, row), row, None, WalPosition(start, seq)
                     )
                     key, value, headers = record_for(change, None)
                     future = producer.send(

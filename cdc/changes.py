@@ -11,7 +11,7 @@ Op = Literal["insert", "update", "delete"]
 
 
 @dataclass(frozen=True, order=True)
-class Position:
+class WalPosition:
     """Where a change is in the WAL: its transaction's commit LSN, then its place in it.
     Positions order the changes of every table."""
 
@@ -22,7 +22,7 @@ class Position:
         return f"{self.lsn}.{self.seq}"
 
     @classmethod
-    def parse(cls, text: str) -> Position:
+    def parse(cls, text: str) -> WalPosition:
         lsn, _, seq = text.partition(".")
         if not (lsn.isdigit() and seq.isdigit()):
             raise ValueError(f"{text!r} is not a changelog position")
@@ -36,7 +36,7 @@ class Change:
     key: dict[str, Any]
     row: dict[str, Any] | None  # None for a delete
     before: dict[str, Any] | None  # the old row of an update or delete
-    position: Position
+    position: WalPosition
     size: int = field(default=0, compare=False)  # bytes of its record (what it weighs queued)
     xid: int | None = field(default=None, compare=False)  # its transaction (32-bit); None: the
     # slot's first snapshot
@@ -123,7 +123,7 @@ def from_record(
     """The change a `cdc.<table>` record carries (the inverse of `record_for`)."""
     h = {k: v for k, v in headers}
     op: Op = h["op"].decode()  # type: ignore[assignment]
-    position = Position.parse(h["position"].decode())
+    position = WalPosition.parse(h["position"].decode())
     xid = int(h["xid"]) if "xid" in h else None
     if value is None:
         before = json.loads(h["before"]) if "before" in h else None

@@ -60,7 +60,7 @@ def error_body(code: str, message: str, details: list[Any] | None = None) -> dic
 
 
 @dataclass(frozen=True)
-class Position:
+class LogPosition:
     """Where a command's last event sits in the log: read models compare their progress to it."""
 
     topic: str
@@ -72,7 +72,7 @@ class Position:
         return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
     @classmethod
-    def parse(cls, token: str) -> Position:
+    def parse(cls, token: str) -> LogPosition:
         """Raise ValueError on anything that is not a token this module made."""
         try:
             raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))

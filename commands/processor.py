@@ -30,7 +30,7 @@ from commands.handling import (
     PartitionState,
     handle,
 )
-from commands.messages import CommandMessage, Position, Reply
+from commands.messages import CommandMessage, LogPosition, Reply
 from commands.registry import AGGREGATES
 from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
 from config.topics import Topics
@@ -266,7 +266,7 @@ class PartitionOwner:
                 partition=self.partition,
             )
             expected.append((future, offset))
-            position = Position(topic, self.partition, offset)
+            position = LogPosition(topic, self.partition, offset)
         if position is not None:
             # The same body as the idempotency record's (a retry replays it with its position).
             outcome.body["position"] = position.token()

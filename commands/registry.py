@@ -13,6 +13,7 @@ from commands.fields import Command
 from commands.references import References
 from commands.schemas import payload_model
 from events.base import DomainEvent
+from events.catalog import AGGREGATE_TYPES
 from events.serialization import from_data
 
 Decide = Callable[[Any, Any, References], list[DomainEvent]]
@@ -67,6 +68,14 @@ AGGREGATES: dict[str, Aggregate] = {
         Aggregate("order", order.Order, order.decide, order.evolve, order.COMMANDS),
     )
 }
+
+# The event log's aggregates (events/catalog.py) and the write model's are one list, named twice
+# so each side stays readable on its own: they must agree.
+if set(AGGREGATES) != set(AGGREGATE_TYPES):
+    raise ImportError(
+        f"commands/registry.py has aggregates {sorted(AGGREGATES)} and events/catalog.py "
+        f"{sorted(AGGREGATE_TYPES)}: each aggregate needs a line in both"
+    )
 
 COMMANDS: dict[str, CommandSpec] = {
     c.wire_name(): CommandSpec(a, c) for a in AGGREGATES.values() for c in a.commands

@@ -11,6 +11,8 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
+    from pyspark.sql import Column as Column_
+
     from projections.base.rows import Rows
 
 table = Table(
@@ -28,10 +30,17 @@ def royalty_cents(quantity: int, unit_price_cents: int, rate: float) -> int:
     return int(exact.quantize(Decimal(1), rounding=ROUND_HALF_UP))
 
 
+def royalty_column(quantity: Column_, unit_price_cents: Column_, rate: Column_) -> Column_:
+    """The rule, as a Spark column of a paid line (the same as `royalty_cents`)."""
+    from pyspark.sql import functions as F
+
+    exact = (quantity * unit_price_cents).cast("decimal(20,0)") * rate.cast("decimal(12,10)")
+    return F.round(exact, 0).cast("long")
+
+
 def rows() -> Rows:
     """A payment adds, per line, the line's royalty and units to its author."""
     from projections.base.rows import each_paid_line
-    from projections.base.rows import royalty_cents as royalty_column
 
     return each_paid_line(
         table,

@@ -43,7 +43,8 @@ table = Table(
 
 def rows() -> Rows:
     """A payment: per line, the author's royalty on it (the account is looked up in Postgres)."""
-    from projections.base.rows import F, each_paid_line, royalty_cents
+    from projections.author_royalties import royalty_column
+    from projections.base.rows import F, each_paid_line
 
     return each_paid_line(
         table,
@@ -51,7 +52,7 @@ def rows() -> Rows:
             "order_id": F.col("aggregate_id"),
             "book_id": line["book_id"],
             "author": line["author"],
-            "amount_cents": royalty_cents(
+            "amount_cents": royalty_column(
                 line["quantity"], line["unit_price_cents"], line["royalty_rate"]
             ),
             "paid_at": F.col("occurred_at"),

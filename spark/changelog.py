@@ -19,7 +19,7 @@ def _header(name: str) -> Column:
     return F.get(F.filter("headers", lambda h: h["key"] == F.lit(name)), 0)["value"]
 
 
-RECORD_COLUMNS = ("topic", "partition", "offset", "table", "key", "row", "lsn", "seq")
+CHANGELOG_COLUMNS = ("topic", "partition", "offset", "table", "key", "row", "lsn", "seq")
 
 
 def records(raw: DataFrame, tables: dict[str, str]) -> DataFrame:

@@ -257,7 +257,7 @@ def _chunks(arrays: list[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-RECORD_COLUMNS = "topic string, partition int, offset long, timestamp timestamp, value binary"
+KAFKA_RECORD_SCHEMA = "topic string, partition int, offset long, timestamp timestamp, value binary"
 
 
 def sample_batch(spark: SparkSession) -> DataFrame:
@@ -300,7 +300,7 @@ def sample_batch(spark: SparkSession) -> DataFrame:
         )
         for i, (a, cls) in enumerate(kinds)
     ]
-    return every_event(parse_events(spark.createDataFrame(records, RECORD_COLUMNS)))
+    return every_event(parse_events(spark.createDataFrame(records, KAFKA_RECORD_SCHEMA)))
 
 
 def first_line(error: BaseException) -> str:
@@ -549,12 +549,12 @@ class EventPipeline:
         settings: Settings,
         projections: Sequence[Projection],
         scratch: str,
-        live: LiveMode[EventPipeline, EventSink] | None = None,
+        realtime_mode: RealtimeMode[EventPipeline, EventSink] | None = None,
     ) -> None:
-        """`live`: how the live path runs in Spark's real-time mode, when it can (the projector
-        passes `spark.realtime.RealTimeEvents`); None, always in micro-batches."""
+        """`realtime_mode`: how the live path runs in Spark's real-time mode, when it can
+        (the projector passes `spark.realtime.RealTimeEvents`); None: always in micro-batches."""
         self.spark, self.settings, self.scratch = spark, settings, scratch
-        self.live = live
+        self.realtime_mode = realtime_mode
         self.projections = list(projections)
         self.topics = Topics(settings.topic_prefix)
         self.sink: EventSink | None = None
@@ -593,7 +593,7 @@ class EventPipeline:
     def realtime(self) -> bool:
         """Whether the live path runs in real-time mode: it has one, it is wanted, not failing
         on its own, and Spark has the task slots `realtime_slots` counts."""
-        if self.live is None:
+        if self.realtime_mode is None:
             return False
         need = realtime_partitions(self.settings, self.projections) + 2
         return realtime_allowed(self.spark, self.settings, "events", self.realtime_failures, need)
@@ -605,7 +605,7 @@ class EventPipeline:
 
     def start(self) -> Running:
         """Start the live pipeline from the projections' progress (a restart resumes the
-        same way): in real-time mode when it can (`live`), else in micro-batches."""
+        same way): in real-time mode when it can (`realtime_mode`), else in micro-batches."""
         names = [p.name for p in self.projections]
         if self.sink is not None:
             self.sink.db.close()
@@ -617,8 +617,8 @@ class EventPipeline:
                 ensure_progress(conn, name)
             forget_failures(conn, names)  # a failed projection is given another chance
         self.realtime_failures = failures_after(self.running, self.realtime_failures)
-        if self.live is not None and self.realtime():
-            self.running = self.live(self, self.sink).start()
+        if self.realtime_mode is not None and self.realtime():
+            self.running = self.realtime_mode(self, self.sink).start()
             return self.running
         self.running = self.micro_batches(self.sink)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
@@ -672,7 +672,7 @@ class Running(Protocol):
     def stop(self) -> None: ...
 
 
-class LiveRunning(Running, Protocol):
+class RealtimeRunning(Running, Protocol):
     """A live path running in real-time mode (`spark/realtime.py`)."""
 
     @property
@@ -681,17 +681,17 @@ class LiveRunning(Running, Protocol):
     @property
     def applied(self) -> int: ...  # polls it applied (transactions)
 
-    def start(self) -> LiveRunning: ...
+    def start(self) -> RealtimeRunning: ...
 
 
 P_contra = TypeVar("P_contra", contravariant=True)
 S_contra = TypeVar("S_contra", contravariant=True)
 
 
-class LiveMode(Protocol[P_contra, S_contra]):
+class RealtimeMode(Protocol[P_contra, S_contra]):
     """How a pipeline's live path runs in real-time mode: made from the pipeline and its sink."""
 
-    def __call__(self, pipeline: P_contra, sink: S_contra) -> LiveRunning: ...
+    def __call__(self, pipeline: P_contra, sink: S_contra) -> RealtimeRunning: ...
 
 
 def failures_after(previous: Running | None, failures: int) -> int:

@@ -27,11 +27,11 @@ from kafka.errors import KafkaError
 
 from config.settings import kafka_fetch_bounds
 from config.topics import partition_of
+from projections.base import Offsets
 from spark.sink import record_loss
 
 log = logging.getLogger(__name__)
 
-Offsets = dict[str, int]  # "topic:partition" -> offset
 Lost = dict[str, tuple[int, int]]  # "topic:partition" -> [first, end) offsets never applied
 
 CACHE_S = 1.0

@@ -44,7 +44,7 @@ from config.topics import Topics
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
-from spark.event_pipeline import LiveMode, Running, failures_after, realtime_allowed
+from spark.event_pipeline import RealtimeMode, Running, failures_after, realtime_allowed
 from spark.gaps import Gaps, check_gaps, skipped
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -313,10 +313,10 @@ class JoinPipeline:
         joins: Sequence[Join],
         scratch: str,
         beside: int = 0,
-        live: LiveMode[JoinPipeline, JoinSink] | None = None,
+        realtime_mode: RealtimeMode[JoinPipeline, JoinSink] | None = None,
     ) -> None:
-        """`live`: how the live path runs in Spark's real-time mode, when it can (the projector
-        passes `spark.realtime.RealTimeJoins`); None, always in micro-batches."""
+        """`realtime_mode`: how the live path runs in Spark's real-time mode, when it can
+        (the projector passes `spark.realtime.RealTimeJoins`); None: always in micro-batches."""
         self.spark, self.settings, self.scratch = spark, settings, scratch
         self.joins = list(joins)
         topics = Topics(settings.topic_prefix)
@@ -325,7 +325,7 @@ class JoinPipeline:
         self.sink: JoinSink | None = None
         self.running: Running | None = None
         self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
-        self.live = live
+        self.realtime_mode = realtime_mode
 
     def starting_offsets(self) -> str:
         """After the lowest progress of the joins that read each changelog."""
@@ -346,14 +346,14 @@ class JoinPipeline:
     def realtime(self) -> bool:
         """Whether the live path runs in real-time mode (`realtime_allowed`): its query needs
         a task slot per changelog read besides the ones other real-time queries hold."""
-        if self.live is None:
+        if self.realtime_mode is None:
             return False
         need = self.beside + len(self.tables) + 2
         return realtime_allowed(self.spark, self.settings, "joins", self.realtime_failures, need)
 
     def start(self) -> Running:
         """Start the live pipeline from the joins' progress (a restart resumes the same way):
-        in real-time mode when it can (`live`), else in micro-batches."""
+        in real-time mode when it can (`realtime_mode`), else in micro-batches."""
         url = self.settings.database()
         names = [j.name for j in self.joins]
         with psycopg.connect(url, autocommit=True) as conn:
@@ -366,8 +366,8 @@ class JoinPipeline:
         self.sink = JoinSink(self.joins, url, self.tables, gaps, self.rebuild)
         full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
         self.realtime_failures = failures_after(self.running, self.realtime_failures)
-        if self.live is not None and self.realtime():
-            self.running = self.live(self, self.sink).start()
+        if self.realtime_mode is not None and self.realtime():
+            self.running = self.realtime_mode(self, self.sink).start()
         else:
             self.running = self.micro_batches(self.sink, catch_up=False)
             with psycopg.connect(url, autocommit=True) as conn:

@@ -93,10 +93,10 @@ class Projector:
         self.pipelines: dict[str, Pipeline] = {}
         # The one place the live paths' mode is chosen: Spark's real-time mode where wanted
         # (each pipeline still falls back to micro-batches without the task slots it needs).
-        live = settings.spark_realtime
+        realtime = settings.spark_realtime
         if chosen:
             self.pipelines["events"] = EventPipeline(
-                self.spark, settings, chosen, self.scratch, RealTimeEvents if live else None
+                self.spark, settings, chosen, self.scratch, RealTimeEvents if realtime else None
             )
         if joined:
             beside = realtime_partitions(settings, chosen)
@@ -106,7 +106,7 @@ class Projector:
                 joined,
                 self.scratch,
                 beside=beside,
-                live=RealTimeJoins if live else None,
+                realtime_mode=RealTimeJoins if realtime else None,
             )
         self.queries: dict[str, Running] = {}
         self._stopping = threading.Event()

@@ -61,9 +61,9 @@ from pyspark.sql.streaming.readwriter import DataStreamReader
 
 from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
 from config.topics import Topics
-from spark.changelog import RECORD_COLUMNS, records
+from spark.changelog import CHANGELOG_COLUMNS, records
 from spark.decode import between_json, every_event, kafka_options, parse_events, read_batch
-from spark.event_pipeline import CURRENT, OFFSET, PARTITION, TOPIC, EventSink, first_line
+from spark.event_pipeline import CURRENT, OFFSET, PARTITION, QUERY, TOPIC, EventSink, first_line
 from spark.join import QUERY as JOINS_QUERY
 from spark.session import full_planning
 from spark.sink import mark_running
@@ -74,7 +74,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUERY = "events"
 # How often Spark checkpoints the query's progress (real-time mode's least is 5 s). Each epoch
 # boundary stalls the query for up to its Kafka fetch wait plus 0.4-0.8 s, and Postgres, not
 # the checkpoint, holds progress: so rarely.
@@ -373,7 +372,7 @@ class RealTimeJoins(RealTime):
         return self._write_rows(rows, generation, JOINS_QUERY), len(rows.columns)
 
     def _apply(self, rows: list[list[Any]]) -> dict[str, int]:
-        return self.sink.apply([dict(zip(RECORD_COLUMNS, r, strict=True)) for r in rows])
+        return self.sink.apply([dict(zip(CHANGELOG_COLUMNS, r, strict=True)) for r in rows])
 
 
 def rows_of(

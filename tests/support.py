@@ -23,7 +23,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app.auth import SCOPES, issue_token
-from cdc.changes import Change, Position, record_for
+from cdc.changes import Change, WalPosition, record_for
 from config.settings import Settings
 from config.topics import Topics
 from events.base import DomainEvent
@@ -85,7 +85,7 @@ def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]
             key,
             None if deleted else row,
             row if deleted else None,
-            Position.parse(position),
+            WalPosition.parse(position),
         )
         k, v, headers = record_for(change, datetime.now(UTC))
         producer.send(topic, key=k, value=v, headers=headers, partition=0)

@@ -46,7 +46,6 @@ __all__ = [
     "row_per_item",
     "rows_column",
     "rows_frame",
-    "royalty_cents",
     "single_row",
     "when_type",
 ]
@@ -81,12 +80,6 @@ def hopping_windows(at: Column, size: timedelta, advance: timedelta) -> Column:
     step, count = int(advance.total_seconds()), int(size / advance)
     newest = (F.floor(F.unix_seconds(at) / step) * step).cast("long")
     return F.sequence(newest, newest - (count - 1) * step, F.lit(-step).cast("long"))
-
-
-def royalty_cents(quantity: Column, unit_price_cents: Column, rate: Column) -> Column:
-    """Per line, rounded half up to a cent (see projections.author_royalties.royalty_cents)."""
-    exact = (quantity * unit_price_cents).cast("decimal(20,0)") * rate.cast("decimal(12,10)")
-    return F.round(exact, 0).cast("long")
 
 
 # -- an event's rows: structs of the table's columns, in `Rows` parts (see Output.rows) -----

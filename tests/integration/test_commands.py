@@ -8,7 +8,7 @@ from typing import Any
 from flask.testing import FlaskClient
 from kafka import KafkaProducer
 
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import Settings
 from config.topics import Topics
 from events.partitioning import partition_for
@@ -58,7 +58,7 @@ def test_keys_are_id_and_version_and_the_partition_follows_the_aggregate_id(
     ]
     assert [r.key for r in records] == [f"{book_id}:1".encode(), f"{book_id}:2".encode()]
     assert {r.partition for r in records} == {partition_for(book_id, deployment.partitions)}
-    position = Position.parse(r.json["position"])
+    position = LogPosition.parse(r.json["position"])
     assert (position.topic, position.partition) == (topic, records[1].partition)
     assert position.offset == records[1].offset
 
@@ -169,7 +169,7 @@ def test_a_reply_position_stays_exact_when_another_producer_writes_to_the_partit
         x for x in read_to_end(deployment.kafka(), topic) if x.key == f"{customer}:2".encode()
     ]
     assert len(records) == 1  # committed once: the attempt with the wrong offsets aborted
-    position = Position.parse(r.json["position"])
+    position = LogPosition.parse(r.json["position"])
     assert (position.topic, position.partition, position.offset) == (
         topic,
         partition,

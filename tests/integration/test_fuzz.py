@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.formats import get_default_format_strategies
 
 from app import close_app, create_app
 from app.views_api import MAX_LIMIT
-from commands.messages import Position
+from commands.messages import LogPosition
 from commands.processor import CommandProcessor
 from config.settings import Settings, sqlalchemy_url
 from config.topics import Topics
@@ -263,7 +263,7 @@ def test_a_kafka_failure_in_a_consistency_wait_is_an_error_and_the_socket_stays(
 ) -> None:
     monkeypatch.setattr("app.read_model.KafkaConsumer", LostAnswer)
     # The wait first looks where the log ends: in Kafka.
-    far = Position(Topics(deployment.topic_prefix).events("order"), 0, 10**9).token()
+    far = LogPosition(Topics(deployment.topic_prefix).events("order"), 0, 10**9).token()
     ws.send({"op": "subscribe", "id": "w", "view": "orders", "consistent_with": far, "wait": 0})
     ws.wait_for(lambda: bool(ws.of("w", "error")), "an error for the wait")
     assert ws.of("w", "error")[0]["code"] == "unavailable"

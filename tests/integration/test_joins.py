@@ -21,7 +21,7 @@ from flask.testing import FlaskClient
 from kafka import KafkaConsumer, TopicPartition
 
 from app import close_app, create_app
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import Settings
 from config.topics import Topics
 from projections.base import Join
@@ -368,7 +368,7 @@ def test_join_rows_delivered_twice_or_left_by_a_stopped_query_change_nothing(
     applied = progress(deployment, SUMMARIES)["applied"]
 
     rows_topic = Topics(deployment.topic_prefix).join_rows
-    # A record's columns by position (`RECORD_COLUMNS`): 2 offset, 3 table, 5 row, 6 lsn.
+    # A record's columns by position (`CHANGELOG_COLUMNS`): 2 offset, 3 table, 5 row, 6 lsn.
     written = [r for r in topic_records(deployment, rows_topic) if cid.encode() in r.value]
     ada = [r for r in written if json.loads(r.value)["3"] == "customers"][-1]
     replayed = json.loads(ada.value)
@@ -485,8 +485,8 @@ def test_a_joined_view_does_not_include_a_position_before_the_join_has_seen_it(
         if not end_offset(deployment, topics.events(aggregate)):
             fill_log(deployment, topics.events(aggregate), 1, 1)
     order_partition, order_offset = 0, 0
-    order_event = Position(topics.events("order"), order_partition, order_offset).token()
-    book_event = Position(topics.events("book"), 0, 0).token()
+    order_event = LogPosition(topics.events("order"), order_partition, order_offset).token()
+    book_event = LogPosition(topics.events("book"), 0, 0).token()
     url = "/views/order_summaries?consistent_with={}&wait=0.2"
     assert api.get(url.format(book_event), headers=AUTH).status_code == 200  # not an input
     r = api.get(url.format(order_event), headers=AUTH)

@@ -17,7 +17,7 @@ import websocket
 from werkzeug.serving import make_server
 
 from app import close_app, create_app
-from app.live import Hub
+from app.hub import Hub
 from cdc.capture import Capture
 from config.settings import Settings
 from stack.procs import free_port, wait_until

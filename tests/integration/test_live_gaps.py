@@ -16,7 +16,7 @@ import pytest
 from flask import Flask
 from kafka import KafkaProducer
 
-from app.live import Hub
+from app.hub import Hub
 from cdc.capture import Capture
 from config.settings import Settings
 from config.topics import Topics

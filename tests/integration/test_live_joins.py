@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import Settings
 from stack.procs import wait_until
 from tests.changes import slot_ready
@@ -197,8 +197,8 @@ def test_a_subscription_consistent_with_a_command_has_it_in_its_snapshot(stack: 
     assert [(r["order_id"], r["customer_name"]) for r in summaries["rows"]] == [(oid, "Cy")]
 
     # A position no command was given (past the log's end): an error at once, no snapshot.
-    p = Position.parse(registered.body["position"])  # customers reads its partition
-    beyond = Position(p.topic, p.partition, p.offset + 1_000_000).token()
+    p = LogPosition.parse(registered.body["position"])  # customers reads its partition
+    beyond = LogPosition(p.topic, p.partition, p.offset + 1_000_000).token()
     client.send(
         {
             "op": "subscribe",

@@ -25,7 +25,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from werkzeug.serving import make_server
 
 from app import close_app, create_app
-from app.live import Hub
+from app.hub import Hub
 from cdc.capture import Capture
 from config.settings import Settings, slot_name
 from stack.procs import free_port, wait_until

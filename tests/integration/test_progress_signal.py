@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 
 import app.read_model as read_model
 from app.read_model import ProgressSignal, ReadModel
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import Settings
 from config.topics import Topics
 from projections.registry import FOLDS
@@ -39,11 +39,11 @@ def model(deployment: Settings) -> Iterator[ReadModel]:
     model.engine.dispose()
 
 
-def position(settings: Settings) -> Position:
-    return Position(Topics(settings.topic_prefix).events("customer"), 0, 5)
+def position(settings: Settings) -> LogPosition:
+    return LogPosition(Topics(settings.topic_prefix).events("customer"), 0, 5)
 
 
-def apply_up_to(settings: Settings, at: Position) -> None:
+def apply_up_to(settings: Settings, at: LogPosition) -> None:
     """What a projector's batch does to the progress of `customers`, committed."""
     with psycopg.connect(settings.database()) as conn:
         conn.execute(
@@ -52,7 +52,7 @@ def apply_up_to(settings: Settings, at: Position) -> None:
         )
 
 
-def waiting(model: ReadModel, at: Position) -> tuple[threading.Thread, list[bool]]:
+def waiting(model: ReadModel, at: LogPosition) -> tuple[threading.Thread, list[bool]]:
     answer: list[bool] = []
     thread = threading.Thread(
         target=lambda: answer.append(model.wait_for(FOLDS["customers"], at, 120)), daemon=True

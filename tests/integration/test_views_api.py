@@ -22,7 +22,7 @@ from psycopg.types.json import Jsonb
 from werkzeug.test import TestResponse
 
 from app.read_model import ReadModel
-from commands.messages import Position
+from commands.messages import LogPosition
 from commands.registry import AGGREGATES
 from config.settings import Settings
 from config.topics import Topics
@@ -583,7 +583,7 @@ def test_a_position_not_yet_applied_times_out_with_the_lag(
     add_customer(deployment, cid)
     topic = topics.events("customer")
     set_progress(deployment, "customers", {f"{topic}:2": 6, f"{topic}:0": 50})
-    tok = Position(topic, 2, 7).token()
+    tok = LogPosition(topic, 2, 7).token()
 
     started = time.monotonic()
     r = client.get(f"/views/customers/{cid}?consistent_with={tok}&wait=1", headers=READER)
@@ -607,18 +607,18 @@ def test_a_position_not_yet_applied_times_out_with_the_lag(
     assert r.status_code == 200 and cid in [x["customer_id"] for x in r.json["rows"]]
     # an earlier position is included too; a later one is not
     r = client.get(
-        f"/views/customers/{cid}?consistent_with={Position(topic, 2, 3).token()}&wait=0",
+        f"/views/customers/{cid}?consistent_with={LogPosition(topic, 2, 3).token()}&wait=0",
         headers=READER,
     )
     assert r.status_code == 200
-    later = Position(topic, 2, 8).token()
+    later = LogPosition(topic, 2, 8).token()
     error_of(
         client.get(f"/views/customers/{cid}?consistent_with={later}&wait=0", headers=READER),
         504,
         "timeout",
     )
     # another partition's progress does not count
-    other = Position(topic, 1, 0).token()
+    other = LogPosition(topic, 1, 0).token()
     error_of(
         client.get(f"/views/customers/{cid}?consistent_with={other}&wait=0", headers=READER),
         504,
@@ -637,7 +637,7 @@ def test_a_waiting_read_answers_once_progress_catches_up(
     add_customer(deployment, cid, name="Wes")
     topic = topics.events("customer")
     set_progress(deployment, "customers", {f"{topic}:3": 10})
-    tok = Position(topic, 3, 12).token()
+    tok = LogPosition(topic, 3, 12).token()
 
     checks: list[bool] = []
     waiting = threading.Event()
@@ -679,7 +679,7 @@ def test_the_consistency_header(client: FlaskClient, deployment: Settings, topic
     add_customer(deployment, cid)
     topic = topics.events("customer")
     set_progress(deployment, "customers", {f"{topic}:0": 4})
-    tok = Position(topic, 0, 5).token()
+    tok = LogPosition(topic, 0, 5).token()
     headers = {**READER, "X-Consistent-With": tok}
     error_of(client.get(f"/views/customers/{cid}?wait=0.2", headers=headers), 504, "timeout")
     error_of(client.get("/views/customers?wait=0", headers=headers), 504, "timeout")
@@ -698,7 +698,7 @@ def test_a_position_on_a_topic_the_projection_does_not_read_is_immediate(
     cid = uid("ryw-other")
     add_customer(deployment, cid)
     set_progress(deployment, "customers", {})
-    tok = Position(topics.events("order"), 0, RECORDED - 1).token()
+    tok = LogPosition(topics.events("order"), 0, RECORDED - 1).token()
     started = time.monotonic()
     r = client.get(f"/views/customers/{cid}?consistent_with={tok}&wait=10", headers=READER)
     assert r.status_code == 200 and r.json["customer_id"] == cid
@@ -721,10 +721,10 @@ def test_a_position_beyond_the_log_is_422_at_once(
     add_customer(deployment, cid)
     topic = topics.events("customer")
     for position in (
-        Position(topic, 0, 10**12),
-        Position(topic, 1, RECORDED + 5),
-        Position(topic, deployment.partitions, 0),  # no such partition
-        Position(topics.events("order"), 0, 10**9),  # even of a topic customers does not read
+        LogPosition(topic, 0, 10**12),
+        LogPosition(topic, 1, RECORDED + 5),
+        LogPosition(topic, deployment.partitions, 0),  # no such partition
+        LogPosition(topics.events("order"), 0, 10**9),  # even of a topic customers does not read
     ):
         for path in (f"/views/customers/{cid}", "/views/customers"):
             started = time.monotonic()
@@ -740,7 +740,7 @@ def test_waiting_reads_are_bounded_per_subject_and_process(
     Retry-After at once; other subjects still wait, up to the process's `max_waiters`."""
     topic = topics.events("customer")
     set_progress(deployment, "customers", {f"{topic}:0": 0})
-    tok = Position(topic, 0, RECORDED - 1).token()
+    tok = LogPosition(topic, 0, RECORDED - 1).token()
     per_subject, per_process = model.waiters.max_per_subject, model.waiters.max_all
     headers = {"Authorization": f"Bearer {token('views:read', subject='patient')}"}
     answers: list[int] = []
@@ -779,7 +779,7 @@ def test_a_real_commands_position(
     )
     assert r.status_code == 201, r.json
     cid, tok = r.json["aggregate_id"], r.json["position"]
-    position = Position.parse(tok)
+    position = LogPosition.parse(tok)
     assert position.topic == topics.events("customer")
     key = f"{position.topic}:{position.partition}"
     set_progress(deployment, "customers", {key: position.offset - 1} if position.offset else {})
@@ -829,7 +829,7 @@ def test_a_garbage_position_is_422(client: FlaskClient, value: str) -> None:
 
 @pytest.mark.parametrize("wait", ["31", "30.5", "-1", "abc", "nan", "inf", ""])
 def test_wait_out_of_bounds_is_422(client: FlaskClient, topics: Topics, wait: str) -> None:
-    tok = Position(topics.events("customer"), 0, 0).token()
+    tok = LogPosition(topics.events("customer"), 0, 0).token()
     for path in ("/views/customers/c-1", "/views/customers"):
         r = client.get(f"{path}?consistent_with={tok}&wait={quote(wait)}", headers=READER)
         assert fields_of(error_of(r, 422, "validation_failed")) == {"wait"}

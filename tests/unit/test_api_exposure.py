@@ -21,7 +21,7 @@ from flask.testing import FlaskClient
 from app import close_app, create_app
 from app.auth import issue_token
 from commands import bus as command_bus
-from commands.messages import Position
+from commands.messages import LogPosition
 from config.settings import JWT_AUDIENCE, Settings
 from stack import cli
 from streams import ingest
@@ -270,7 +270,7 @@ def test_views_show_a_failure_and_lost_ranges_to_admin_callers_only(client: Flas
 
 
 def test_a_504_shows_the_lag_without_the_failure_to_non_admin_callers(client: FlaskClient) -> None:
-    position = Position("events.customer", 0, 9).token()
+    position = LogPosition("events.customer", 0, 9).token()
     url = f"/views/customers?consistent_with={position}&wait=0"
     r = client.get(url, headers=bearer("views:read"))
     assert r.status_code == 504, r.json

@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 
 from cdc import pgoutput
-from cdc.changes import Change, Position, from_record, record_for
+from cdc.changes import Change, WalPosition, from_record, record_for
 
 
 def _s(text: str) -> bytes:
@@ -103,7 +103,7 @@ def test_records_round_trip_and_deletes_are_tombstones() -> None:
         {"customer_id": "c1"},
         {"customer_id": "c1", "name": "B"},
         {"customer_id": "c1", "name": "A"},
-        Position(100, 2),
+        WalPosition(100, 2),
     )
     key, value, headers = record_for(upsert, at)
     assert key == b'{"customer_id":"c1"}'
@@ -115,7 +115,7 @@ def test_records_round_trip_and_deletes_are_tombstones() -> None:
         {"customer_id": "c1"},
         None,
         {"customer_id": "c1", "name": "B"},
-        Position(101, 1),
+        WalPosition(101, 1),
     )
     key, value, headers = record_for(delete, at)
     assert value is None
@@ -123,8 +123,8 @@ def test_records_round_trip_and_deletes_are_tombstones() -> None:
 
 
 def test_positions_order_by_lsn_then_sequence() -> None:
-    assert Position(5, 9) < Position(6, 1) < Position(6, 2)
-    assert Position.parse(str(Position(123, 4))) == Position(123, 4)
+    assert WalPosition(5, 9) < WalPosition(6, 1) < WalPosition(6, 2)
+    assert WalPosition.parse(str(WalPosition(123, 4))) == WalPosition(123, 4)
     for bad in ("", "1", "a.b", "1.2.3", "-1.2"):
         with pytest.raises(ValueError):
-            Position.parse(bad)
+            WalPosition.parse(bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from commands.handling import PartitionState, handle
-from commands.messages import CommandMessage, Position
+from commands.messages import CommandMessage, LogPosition
 from commands.references import NoReferences
 
 NOW = 1_800_000_000.0
@@ -101,11 +101,11 @@ def test_idempotency_replays_same_request_and_refuses_a_different_one() -> None:
 
 
 def test_position_tokens_round_trip_and_reject_garbage() -> None:
-    p = Position("events.order", 3, 12345)
-    assert Position.parse(p.token()) == p
+    p = LogPosition("events.order", 3, 12345)
+    assert LogPosition.parse(p.token()) == p
     for bad in ["", "!!!", "WyJhIl0", p.token()[:-3]]:
         try:
-            Position.parse(bad)
+            LogPosition.parse(bad)
         except ValueError:
             continue
         raise AssertionError(f"{bad!r} was accepted")

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from kafka import TopicPartition
 
-from app.live import SLOW_CLOSE, Client, Hub, Subscription, Unservable
-from cdc.changes import Change, Position, Snapshot, record_for, widen
+from app.hub import SLOW_CLOSE, Client, Hub, Subscription, Unservable
+from cdc.changes import Change, Snapshot, WalPosition, record_for, widen
 
 
 def _hub(replay: int = 100) -> Hub:
@@ -21,7 +21,7 @@ def _change(
     lsn: int, key: str, row: dict[str, Any] | None, before: dict[str, Any] | None = None
 ) -> Change:
     op = "delete" if row is None else ("update" if before else "insert")
-    return Change("orders", op, {"order_id": key}, row, before, Position(lsn, 1))  # type: ignore[arg-type]
+    return Change("orders", op, {"order_id": key}, row, before, WalPosition(lsn, 1))  # type: ignore[arg-type]
 
 
 def _sub(client: Client, **filter: Any) -> Subscription:
@@ -34,7 +34,7 @@ def _taken(client: Client) -> list[dict[str, Any]]:
 
 def test_rows_entering_and_leaving_a_filter_are_upserts_and_deletes() -> None:
     hub, client = _hub(), Client(100)
-    hub.subscribe(_sub(client, customer_id="c1"), Position(0, 0))
+    hub.subscribe(_sub(client, customer_id="c1"), WalPosition(0, 0))
     paid = {"order_id": "o1", "customer_id": "c1", "status": "paid"}
     moved = {"order_id": "o1", "customer_id": "c2", "status": "paid"}
     hub._apply("orders", [_change(10, "o1", paid)])
@@ -54,10 +54,10 @@ def test_resends_are_dropped_and_history_serves_since() -> None:
     for lsn in range(1, 6):
         hub._apply("orders", [_change(lsn, f"o{lsn}", {"order_id": f"o{lsn}"})])
     hub._apply("orders", [_change(4, "o4", {"order_id": "o4"})])  # a CDC resend
-    hub.subscribe(_sub(client), Position(3, 1))
+    hub.subscribe(_sub(client), WalPosition(3, 1))
     assert [m["position"] for m in _taken(client)] == ["4.1", "5.1"]
     with pytest.raises(Unservable):  # 1 and 2 were pushed out of the 3-change history
-        hub.subscribe(_sub(Client(100)), Position(1, 1))
+        hub.subscribe(_sub(Client(100)), WalPosition(1, 1))
 
 
 def test_snapshot_first_then_history_after_its_position_then_live() -> None:
@@ -65,7 +65,7 @@ def test_snapshot_first_then_history_after_its_position_then_live() -> None:
     hub._apply("orders", [_change(5, "o5", {"order_id": "o5"})])
     hub._apply("orders", [_change(7, "o7", {"order_id": "o7"})])
     snapshot = {"type": "snapshot", "id": "s", "rows": [], "position": "6.0"}
-    hub.subscribe(_sub(client), Position(6, 0), snapshot)
+    hub.subscribe(_sub(client), WalPosition(6, 0), snapshot)
     hub._apply("orders", [_change(6, "late", {"order_id": "late"})])  # below: in the snapshot
     hub._apply("orders", [_change(8, "o8", {"order_id": "o8"})])
     assert [m.get("position") for m in _taken(client)] == ["6.0", "7.1", "8.1"]
@@ -74,12 +74,17 @@ def test_snapshot_first_then_history_after_its_position_then_live() -> None:
 def test_a_new_generation_resyncs_that_projections_subscribers() -> None:
     hub, client = _hub(), Client(100)
     sub = _sub(client)
-    hub.subscribe(sub, Position(0, 0))
+    hub.subscribe(sub, WalPosition(0, 0))
 
     def progress(lsn: int, generation: int) -> Change:
         row = {"projection": "orders", "generation": generation}
         return Change(
-            "projection_progress", "update", {"projection": "orders"}, row, None, Position(lsn, 1)
+            "projection_progress",
+            "update",
+            {"projection": "orders"},
+            row,
+            None,
+            WalPosition(lsn, 1),
         )
 
     hub._apply("projection_progress", [progress(1, 0), progress(2, 0)])
@@ -129,20 +134,21 @@ def test_the_outbox_is_bounded_in_bytes_too() -> None:
 
 def test_a_change_weighs_its_changelog_record() -> None:
     hub, client = _hub(), Client(1000, buffer_bytes=64 * 1024)
-    hub.subscribe(_sub(client), Position(0, 0))
+    hub.subscribe(_sub(client), WalPosition(0, 0))
     row = {"order_id": "o1", "note": "x" * 40_000}
-    big = Change("orders", "insert", {"order_id": "o1"}, row, None, Position(1, 1), 40_100)
+    big = Change("orders", "insert", {"order_id": "o1"}, row, None, WalPosition(1, 1), 40_100)
     hub._apply("orders", [big])
     assert client.close_code is None and client.warned  # 40 kB queued: past half of 64 kB
     hub._apply(
-        "orders", [Change("orders", "update", {"order_id": "o1"}, row, row, Position(2, 1), 40_100)]
+        "orders",
+        [Change("orders", "update", {"order_id": "o1"}, row, row, WalPosition(2, 1), 40_100)],
     )
     assert client.close_code == SLOW_CLOSE
 
 
 def _tx(lsn: int, key: str, xid: int | None) -> Change:
     return Change(
-        "orders", "insert", {"order_id": key}, {"order_id": key}, None, Position(lsn, 1), xid=xid
+        "orders", "insert", {"order_id": key}, {"order_id": key}, None, WalPosition(lsn, 1), xid=xid
     )
 
 
@@ -204,7 +210,7 @@ def _following(replay: int = 100) -> tuple[Hub, Client, Subscription]:
     hub, client = _hub(replay), Client(100)
     assert hub._resume("orders", TP, 0, 0) == 0
     sub = _sub(client)
-    hub.subscribe(sub, Position(0, 0))
+    hub.subscribe(sub, WalPosition(0, 0))
     return hub, client, sub
 
 
@@ -216,9 +222,9 @@ def test_records_removed_before_the_hub_read_them_resync_its_subscribers() -> No
     got = [m["type"] for m in _taken(client)]
     assert got == ["change", "resync", "_resubscribe"]  # o4 only once a new snapshot is taken
     assert hub.resyncs == 1 and hub.tables["orders"].next_offset == 4
-    hub.subscribe(_sub(Client(100)), Position(4, 1))  # from after the hole: served
+    hub.subscribe(_sub(Client(100)), WalPosition(4, 1))  # from after the hole: served
     with pytest.raises(Unservable):  # from before it: what it missed is unknown
-        hub.subscribe(_sub(Client(100)), Position(1, 1))
+        hub.subscribe(_sub(Client(100)), WalPosition(1, 1))
 
 
 def test_an_undecodable_record_is_counted_skipped_once_and_resyncs_its_subscribers() -> None:
@@ -264,4 +270,4 @@ def test_a_first_start_reads_the_last_replay_records() -> None:
     hub = _hub(replay=5)
     assert hub._resume("orders", TP, 0, 100) == 95
     with pytest.raises(Unservable):  # before the first record read: unknown
-        hub.subscribe(_sub(Client(100)), Position(1, 1))
+        hub.subscribe(_sub(Client(100)), WalPosition(1, 1))

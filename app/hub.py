@@ -46,15 +46,15 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from cdc.changes import Change, Position, Snapshot, from_record, widen
+from cdc.changes import Change, Snapshot, WalPosition, from_record, widen
 from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 
 log = logging.getLogger(__name__)
 
 SLOW_CLOSE = 4008
 SMALL_MESSAGE_BYTES = 128  # what a message without rows counts for in the outbox's byte bound
-FLOOR = Position(0, 0)
-UNKNOWN = Position(2**63, 0)  # above every position: nothing can be served yet
+FLOOR = WalPosition(0, 0)
+UNKNOWN = WalPosition(2**63, 0)  # above every position: nothing can be served yet
 
 
 @dataclass(eq=False)
@@ -65,7 +65,7 @@ class Subscription:
     projection: str
     filter: dict[str, Any]  # column -> value in wire form
     client: Client
-    after: Position = FLOOR  # the last position this subscription has been sent
+    after: WalPosition = FLOOR  # the last position this subscription has been sent
     # Started from a snapshot: the changes of the transactions it sees are in it already.
     snapshot: Snapshot | None = None
 
@@ -175,8 +175,8 @@ class Client:
 @dataclass
 class _Table:
     ring: deque[Change]
-    last: Position = FLOOR  # the newest position seen (older ones are resends)
-    served_from: Position | None = None  # `since` at or after this can be served; None: any
+    last: WalPosition = FLOOR  # the newest position seen (older ones are resends)
+    served_from: WalPosition | None = None  # `since` at or after this can be served; None: any
     subscriptions: set[Subscription] = field(default_factory=set)
     newest_xid: int | None = None  # of the changes seen, widened to 64 bits as they come
     dropped_xid: int | None = None  # the newest transaction of the changes dropped from the ring
@@ -433,7 +433,7 @@ class Hub:
     def subscribe(
         self,
         sub: Subscription,
-        after: Position | Snapshot,
+        after: WalPosition | Snapshot,
         first: dict[str, Any] | None = None,
         first_weight: int = 0,
     ) -> None:
