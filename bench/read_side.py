@@ -830,7 +830,7 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
 def batch_cost(args: argparse.Namespace) -> dict[str, Any]:
     from projections.registry import PROJECTIONS
     from spark.decode import every_event, kafka_options, parse_events, read_batch
-    from spark.event_pipeline import EventSink
+    from spark.event_sink import EventSink
     from spark.session import full_planning, session
 
     with Stack() as settings:

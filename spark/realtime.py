@@ -63,7 +63,9 @@ from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, ka
 from config.topics import Topics
 from spark.changelog import CHANGELOG_COLUMNS, records
 from spark.decode import between_json, every_event, kafka_options, parse_events, read_batch
-from spark.event_pipeline import CURRENT, OFFSET, PARTITION, QUERY, TOPIC, EventSink, first_line
+from spark.event_pipeline import QUERY
+from spark.event_rows import CURRENT, OFFSET, PARTITION, TOPIC, first_line
+from spark.event_sink import EventSink
 from spark.join import QUERY as JOINS_QUERY
 from spark.session import full_planning
 from spark.sink import mark_running

@@ -48,7 +48,7 @@ from spark.decode import (
     read_batch,
     upcast,
 )
-from spark.event_pipeline import (
+from spark.event_rows import (
     CURRENT,
     LOG_US,
     POSITION,

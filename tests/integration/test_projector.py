@@ -150,7 +150,7 @@ def test_replaying_already_applied_events_changes_nothing(
     from config.topics import Topics
     from projections.registry import PROJECTIONS
     from spark.decode import every_event, parse_events, read_batch
-    from spark.event_pipeline import EventSink
+    from spark.event_sink import EventSink
 
     caught_up(deployment)
     before = actual(deployment)

@@ -472,8 +472,8 @@ def test_a_batch_merged_in_many_chunks_gives_the_rows_of_one_merged_at_once(
     the newest and its view in one after. State is dropped once the whole batch is in, so the
     view still finds its order, as when the batch is merged at once."""
     from projections.book_conversions import projection as conversions
-    from spark import event_pipeline
-    from spark.event_pipeline import Share, merge_share
+    from spark import event_rows
+    from spark.event_rows import Share, merge_share
 
     then = datetime(2026, 1, 1, tzinfo=UTC)
     now = then + timedelta(hours=6)
@@ -495,7 +495,7 @@ def test_a_batch_merged_in_many_chunks_gives_the_rows_of_one_merged_at_once(
     )
 
     def merged(chunk_bytes: int) -> list[tuple[Any, ...]]:
-        monkeypatch.setattr(event_pipeline, "MERGE_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(event_rows, "MERGE_CHUNK_BYTES", chunk_bytes)
         with psycopg.connect(settings.database()) as conn:
             for table in ("book_conversions", "conversion_views", "conversion_orders"):
                 conn.execute(f"CREATE TEMP TABLE {table}__chunks (LIKE {table} INCLUDING ALL)")

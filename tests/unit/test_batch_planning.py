@@ -9,7 +9,8 @@ from pyspark.sql import SparkSession
 
 from config.settings import Settings
 from projections.registry import PROJECTIONS
-from spark.event_pipeline import EventSink, sample_batch
+from spark.event_rows import sample_batch
+from spark.event_sink import EventSink
 from spark.session import LEAN_EXCLUDED_RULES, BatchPlanning, full_planning
 
 pytestmark = pytest.mark.spark

@@ -9,7 +9,7 @@ from typing import Any
 
 from projections import trending_books
 from projections.base import Projection
-from spark.event_pipeline import _chunks, share_of
+from spark.event_rows import _chunks, share_of
 
 STREAM, EVENTS = "p.streams.page_views", "p.events.order"
 HOUR_US = 3_600_000_000
@@ -57,7 +57,7 @@ def test_nothing_after_the_progress_is_no_share() -> None:
 
 
 def test_chunks_keep_every_array_in_order_within_the_size(monkeypatch: Any) -> None:
-    monkeypatch.setattr("spark.event_pipeline.MERGE_CHUNK_BYTES", 40)
+    monkeypatch.setattr("spark.event_rows.MERGE_CHUNK_BYTES", 40)
     arrays = ["[" + "x" * n + "]" for n in (10, 20, 30, 5, 50)]  # 12, 22, 32, 7, 52 bytes
     chunks = list(_chunks(arrays))
     assert chunks == [arrays[:2], arrays[2:4], arrays[4:]]  # one too big goes alone
