@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import percentile
 from bench.procstat import CpuMeter, rss_mib, threads, tree
-from bench.read_side import Stack, trivial_query
+from bench.read_freshness import trivial_query
+from bench.read_stack import Stack
 from bench.wsfleet import Fleet
 from config.settings import Settings, kafka_fetch_bounds
 from config.topics import Topics

@@ -37,7 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import closed_loop
-from bench.read_side import (
+from bench.read_stack import (
     Stack,
     open_loop,
     start_processes,

@@ -1,0 +1,84 @@
+"""rebuild: replaying a large log into every projection, beside its ceilings (see
+bench/read_side.py)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.read_stack import Stack, write_log
+from config.settings import Settings
+from config.topics import Topics
+
+
+def rebuild(args: argparse.Namespace) -> dict[str, Any]:
+    from projections.registry import PROJECTIONS
+    from spark.decode import every_event, parse_events, read_batch
+    from spark.rebuild import Rebuild
+    from spark.session import session
+
+    with Stack() as settings:
+        written = write_log(settings, args.events)
+        spark = session(settings, "logfold-bench")
+        job = Rebuild(settings, spark)
+        topics = Topics(settings.topic_prefix)
+        everything = [topics.events(a) for a in ("customer", "book", "order")]
+        log = read_batch(spark, settings.kafka(), everything, "earliest", "latest")
+        results: dict[str, Any] = {"benchmark": "rebuild", "events_in_log": written}
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            n = log.count()
+            results.setdefault("spark_kafka_read_per_s", []).append(n / (time.perf_counter() - t))
+            results.setdefault("copy_rows_per_s", []).append(copy_rate(settings, 200_000))
+            t = time.perf_counter()
+            reports = job.run_many(list(PROJECTIONS.values()), verify=False, progress=False)
+            took = time.perf_counter() - t
+            steps = {"read": reports[0].steps["read"]}
+            for r in reports:
+                steps |= {f"{r.projection} {k}": v for k, v in r.steps.items() if k != "read"}
+            for step, seconds in steps.items():
+                results.setdefault(f"{step} seconds", []).append(round(seconds, 2))
+            results.setdefault("all_views_seconds", []).append(took)
+            results.setdefault("all_views_events_per_s", []).append(written / took)
+            # The least any rebuild of this log does: read every record and decode it (after
+            # the rebuild, so that its first run is not warmed by it).
+            t = time.perf_counter()
+            every_event(parse_events(log)).write.format("noop").mode("overwrite").save()
+            results.setdefault("spark_read_and_decode_per_s", []).append(
+                n / (time.perf_counter() - t)
+            )
+        spark.stop()
+        medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+        return {**results, "medians": medians}
+
+
+def copy_rate(settings: Settings, rows: int) -> float:
+    """Rows/s of COPY into a table as wide as `orders`."""
+    with psycopg.connect(settings.database()) as conn:
+        conn.execute("CREATE TEMP TABLE copy_bench (LIKE orders)")
+        t = time.perf_counter()
+        with conn.cursor().copy("COPY copy_bench FROM STDIN") as copy:
+            for i in range(rows):
+                copy.write_row(
+                    (
+                        f"order-{i}",
+                        "c",
+                        "paid",
+                        1999,
+                        2,
+                        "2026-11-21T10:00:00Z",
+                        "2026-11-21T10:01:00Z",
+                        None,
+                        2,
+                    )
+                )
+        conn.commit()
+        return rows / (time.perf_counter() - t)
