@@ -12,7 +12,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from app.auth import has_scope, narrowed, require, row_scope
 from app.errors import ApiError, too_many, unavailable
 from app.health import public_lag
-from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
+from app.read_model import BadValue, BeyondTheLog, ReadModel
+from app.waiting import TooManyWaiters
 from commands.messages import LogPosition
 from projections.base import Fold, View
 from projections.registry import VIEWS

@@ -25,7 +25,8 @@ from app.auth import narrowed, row_scope, scopes, verify
 from app.errors import ApiError, too_many, unavailable
 from app.health import public_lag
 from app.hub import Client, Hub, Subscription, Unservable
-from app.read_model import BadValue, BeyondTheLog, ReadModel, TooManyWaiters
+from app.read_model import BadValue, BeyondTheLog, ReadModel
+from app.waiting import TooManyWaiters
 from app.ws_admission import Admission, Ticket, TokenBucket
 from app.ws_messages import Problem, Subscribe, Unsubscribe, parse
 from cdc.changes import Snapshot, WalPosition

@@ -12,8 +12,9 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-import app.read_model as read_model
-from app.read_model import ProgressSignal, ReadModel
+import app.waiting as app_waiting
+from app.read_model import ReadModel
+from app.waiting import ProgressSignal
 from commands.messages import LogPosition
 from config.settings import Settings
 from config.topics import Topics
@@ -66,7 +67,7 @@ def test_a_reader_waiting_for_a_position_wakes_when_progress_is_written(
 ) -> None:
     # Between signals, a waiter would look again only after ten minutes: only the
     # notification can wake it within the test's bounds.
-    monkeypatch.setattr(read_model, "SIGNALLED_POLL_S", 600.0)
+    monkeypatch.setattr(app_waiting, "SIGNALLED_POLL_S", 600.0)
     waits = threading.Event()
     real_wait = ProgressSignal.wait
 
