@@ -13,11 +13,12 @@ from types import ModuleType
 from sqlalchemy import Table
 
 import projections
-from projections.base import (  # their tables, on the shared metadata
+from projections.base import (
     Fold,
     Join,
     Projection,
     View,
+    join_state,  # noqa: F401  (its table, on the shared metadata)
     progress,
 )
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -120,10 +122,14 @@ class RunningStack:
 
 
 @pytest.fixture
-def data_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "data"
-    tmp_path.chmod(0o755)
-    return path
+def data_dir() -> Iterator[Path]:
+    """A stack's data directory outside pytest's own temporary folder: Postgres runs as another
+    user and must reach it, and that folder is private (0700), made so again by every pytest
+    session that starts on the machine meanwhile."""
+    top = Path(tempfile.mkdtemp(prefix="logfold-e2e-"))
+    top.chmod(0o755)
+    yield top / "data"
+    shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.fixture
