@@ -10,14 +10,17 @@ from typing import Any
 from flask import Flask
 
 from app import (
+    asyncapi,
     commands_api,
     errors,
+    feeds_api,
     live_page,
     ops,
     streams_api,
     views_api,
     ws_admission,
     ws_api,
+    ws_writer,
 )
 from app.auth import check_secret
 from app.health import HealthChecks, HealthMonitor
@@ -61,6 +64,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
     app.config["SOCK_SERVER_OPTIONS"] = {"max_message_size": settings.ws_max_message_bytes}
+    app.extensions["logfold.ws_writer"] = ws_writer.Writer(settings.ws_heartbeat_s)
     app.extensions["logfold.ws_admission"] = ws_admission.Admission(
         settings.ws_max_open,
         settings.ws_max_per_subject,
@@ -69,8 +73,10 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     )
     errors.register(app)
     app.register_blueprint(ops.bp)
+    app.register_blueprint(asyncapi.bp)
     app.register_blueprint(commands_api.bp)
     app.register_blueprint(streams_api.bp)
+    app.register_blueprint(feeds_api.bp)  # before views': `/views/<v>/events` is not a key
     app.register_blueprint(views_api.bp)
     app.register_blueprint(ws_api.bp)
     app.register_blueprint(live_page.bp)
@@ -80,6 +86,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
 def close_app(app: Flask) -> None:
     app.extensions["logfold.health"].stop()
     app.extensions["logfold.hub"].stop()
+    app.extensions["logfold.ws_writer"].stop()
     app.extensions["logfold.bus"].close()
     app.extensions["logfold.ingestion"].close()
     app.extensions["logfold.read_model"].close()

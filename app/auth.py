@@ -151,24 +151,27 @@ def has_scope(scope: str) -> bool:
         return False
 
 
-def require(scope: str) -> Callable[[F], F]:
-    """Route decorator: 401 without a valid token, 403 when it lacks `scope`."""
+def require(scope: str, query_token: bool = False) -> Callable[[F], F]:
+    """Route decorator: 401 without a valid token, 403 when it lacks `scope`. `query_token`:
+    the token may come as `?token=` too (a browser's EventSource cannot send headers)."""
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            token = bearer_token()
-            if token is None:
+            token = bearer_token() or (request.args.get("token") if query_token else None)
+            if not token:
+                also = " (or `?token=<token>`)" if query_token else ""
                 raise ApiError(
                     401,
                     "unauthorized",
-                    "send `Authorization: Bearer <token>`",
+                    f"send `Authorization: Bearer <token>`{also}",
                     headers={"WWW-Authenticate": 'Bearer realm="logfold"'},
                 )
             claims = verify(token, current_app.config["JWT_SECRET"])
             if scope not in scopes(claims):
                 raise ApiError(403, "forbidden", f"this endpoint needs the {scope!r} scope")
             g.subject, g.rows = str(claims["sub"]), claims.get("rows") or {}
+            g.claims = claims
             return view(*args, **kwargs)
 
         return cast(F, wrapper)

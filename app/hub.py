@@ -35,18 +35,19 @@ reader costs the others nothing and memory stays bounded.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from cdc.changes import Change, Snapshot, WalPosition, from_record, widen
+from cdc.changes import Change, Snapshot, WalPosition, from_record, seen_as, widen
 from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ SLOW_CLOSE = 4008
 SMALL_MESSAGE_BYTES = 128  # what a message without rows counts for in the outbox's byte bound
 FLOOR = WalPosition(0, 0)
 UNKNOWN = WalPosition(2**63, 0)  # above every position: nothing can be served yet
+
+Message = dict[str, Any] | str  # a message to encode, or its text (a change, encoded once)
 
 
 @dataclass(eq=False)
@@ -68,6 +71,7 @@ class Subscription:
     after: WalPosition = FLOOR  # the last position this subscription has been sent
     # Started from a snapshot: the changes of the transactions it sees are in it already.
     snapshot: Snapshot | None = None
+    id_json: str = field(init=False, repr=False)
 
     def has(self, change: Change) -> bool:
         """Whether this subscription has `change` already (in its snapshot, or sent)."""
@@ -75,27 +79,49 @@ class Subscription:
             return True
         return change.position <= self.after
 
-    def matches(self, row: dict[str, Any] | None) -> bool:
-        return row is not None and all(row.get(c) == v for c, v in self.filter.items())
+    def __post_init__(self) -> None:
+        self.id_json = _dumps(self.id)  # spliced into every change message it is sent
 
-    def message_for(self, change: Change) -> dict[str, Any] | None:
-        """The change as this subscription sees it: rows entering or staying in its filter
-        are upserts, rows leaving it (or deleted) are deletes; others do not concern it."""
-        if self.matches(change.row):
-            return self._message("upsert", change, change.row)
-        if self.matches(change.before) or (change.op == "delete" and change.before is None):
-            return self._message("delete", change, None)
-        return None
+    def op_for(self, change: Change) -> str | None:
+        """`upsert`, `delete`, or None when the change does not concern this subscription."""
+        return seen_as(self.filter, change)
 
-    def _message(self, op: str, change: Change, row: dict[str, Any] | None) -> dict[str, Any]:
-        return {
-            "type": "change",
-            "id": self.id,
-            "op": op,
-            "key": change.key,
-            "row": row,
-            "position": str(change.position),
-        }
+    def message_for(self, change: Change, encoded: Encoded | None = None) -> str | None:
+        """The `change` message for this subscription, as the text sent; None when the change
+        does not concern it. `encoded`: the change's bodies, shared by its subscriptions."""
+        op = self.op_for(change)
+        if op is None:
+            return None
+        return (encoded or Encoded(change)).message(op, self.id_json)
+
+
+class Encoded:
+    """A change's `change` messages, encoded once for every subscription it concerns: each
+    subscription's message splices its own id into the same text (fan-out costs one encoding
+    per change and op, not one per subscriber). Sent as is by websockets, and as the data of
+    server-sent events."""
+
+    __slots__ = ("_tails", "change")
+
+    HEAD = '{"type":"change","id":'
+
+    def __init__(self, change: Change) -> None:
+        self.change = change
+        self._tails: dict[str, str] = {}
+
+    def message(self, op: str, id_json: str) -> str:
+        tail = self._tails.get(op)
+        if tail is None:
+            c = self.change
+            body = {"op": op, "key": c.key, "row": c.row if op == "upsert" else None}
+            # the position last: clients may find it without decoding the rest
+            body["position"] = str(c.position)
+            tail = self._tails[op] = "," + _dumps(body)[1:]
+        return self.HEAD + id_json + tail
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 class Client:
@@ -103,7 +129,8 @@ class Client:
 
     def __init__(self, buffer: int, buffer_bytes: int = 16 * 1024 * 1024) -> None:
         self.buffer, self.buffer_bytes = buffer, buffer_bytes
-        self.outbox: deque[dict[str, Any]] = deque()
+        # Messages to send: dicts, or texts already encoded (changes, shared by subscribers).
+        self.outbox: deque[Message] = deque()
         self.weights: deque[int] = deque()  # bytes of each queued message, roughly
         self.queued_bytes = 0
         self.cond = threading.Condition()
@@ -113,8 +140,11 @@ class Client:
         self.warned = False
         self.peak = 0
         self.subscriptions: dict[str, Subscription] = {}
+        # Told (without arguments, never blocking) whenever there is something to send: the
+        # process's websocket writer (app/ws_writer.py) then writes it.
+        self.listener: Callable[[], None] | None = None
 
-    def offer(self, message: dict[str, Any], sub_id: str | None = None, weight: int = 0) -> bool:
+    def offer(self, message: Message, sub_id: str | None = None, weight: int = 0) -> bool:
         """Queue a message without blocking; False once the client is being closed. The outbox
         is bounded in messages and in bytes (`weight`: what the message weighs, e.g. a
         snapshot's rows; small messages count as SMALL_MESSAGE_BYTES)."""
@@ -125,38 +155,48 @@ class Client:
             full = len(self.outbox) >= self.buffer
             if full or self.queued_bytes + weight > self.buffer_bytes:
                 self._close(SLOW_CLOSE, "too far behind: read faster, then resume with `since`")
-                return False
-            self.outbox.append(message)
-            self.weights.append(weight)
-            self.queued_bytes += weight
-            half = (
-                len(self.outbox) >= self.buffer // 2 or self.queued_bytes >= self.buffer_bytes // 2
-            )
-            if not self.warned and half:
-                self.warned = True
-                self.outbox.append({"type": "lagging", "id": sub_id, "behind": len(self.outbox)})
-                self.weights.append(SMALL_MESSAGE_BYTES)
-                self.queued_bytes += SMALL_MESSAGE_BYTES
-            self.peak = max(self.peak, len(self.outbox))
-            self.cond.notify()
-            return True
+                closed = True
+            else:
+                closed = False
+                self._queue(message, sub_id, weight)
+        if self.listener is not None:
+            self.listener()
+        return not closed
 
-    def close(self, code: int, reason: str) -> None:
+    def _queue(self, message: Message, sub_id: str | None, weight: int) -> None:
+        """Append `message` (and, past half of a bound, the `lagging` warning). Holds cond."""
+        self.outbox.append(message)
+        self.weights.append(weight)
+        self.queued_bytes += weight
+        half = len(self.outbox) >= self.buffer // 2 or self.queued_bytes >= self.buffer_bytes // 2
+        if not self.warned and half:
+            self.warned = True
+            self.outbox.append({"type": "lagging", "id": sub_id, "behind": len(self.outbox)})
+            self.weights.append(SMALL_MESSAGE_BYTES)
+            self.queued_bytes += SMALL_MESSAGE_BYTES
+        self.peak = max(self.peak, len(self.outbox))
+        self.cond.notify()
+
+    def close(self, code: int, reason: str, farewell: dict[str, Any] | None = None) -> None:
+        """Close with `code`: what is queued is dropped but the `lagging` warning and
+        `farewell` (an error saying why), which are sent before the close."""
         with self.cond:
             if self.close_code is None:
-                self._close(code, reason)
+                self._close(code, reason, farewell)
+        if self.listener is not None:
+            self.listener()
 
-    def _close(self, code: int, reason: str) -> None:
+    def _close(self, code: int, reason: str, farewell: dict[str, Any] | None = None) -> None:
         self.close_code, self.close_reason = code, reason
         self.closing_since = time.monotonic()
         # What it could not read is dropped (it resumes with `since`), but not the warning.
-        warnings = [m for m in self.outbox if m["type"] == "lagging"]
-        self.outbox = deque(warnings[:1])
+        warnings = [m for m in self.outbox if isinstance(m, dict) and m["type"] == "lagging"]
+        self.outbox = deque(warnings[:1] + ([farewell] if farewell else []))
         self.weights = deque([SMALL_MESSAGE_BYTES] * len(self.outbox))
         self.queued_bytes = sum(self.weights)
         self.cond.notify()
 
-    def take(self, timeout: float) -> list[dict[str, Any]] | None:
+    def take(self, timeout: float) -> list[Message] | None:
         """Everything queued (waiting up to `timeout`); [] on timeout; None once closing and
         nothing is left to send."""
         with self.cond:
@@ -181,6 +221,9 @@ class _Table:
     newest_xid: int | None = None  # of the changes seen, widened to 64 bits as they come
     dropped_xid: int | None = None  # the newest transaction of the changes dropped from the ring
     next_offset: int | None = None  # in its changelog, after the last record taken; None: unread
+    # Notified (under the hub's lock) whenever changes of the table arrive or its history
+    # breaks: long-polls wait on it.
+    changed: threading.Condition | None = None
 
     def widened(self, xid: int) -> int:
         return widen(xid, self.newest_xid if self.newest_xid is not None else xid)
@@ -201,7 +244,7 @@ class Hub:
         self.bootstrap, self.topic_of, self.replay = bootstrap, topics, replay
         self.progress_table = progress_table
         self.lock = threading.Lock()
-        self.tables = {t: _Table(deque()) for t in topics}
+        self.tables = {t: _Table(deque(), changed=threading.Condition(self.lock)) for t in topics}
         self.generations: dict[str, int] = {}
         self.ready = threading.Event()
         self.clients: set[Client] = set()
@@ -358,6 +401,8 @@ class Hub:
             log.info("live hub: %s; its history starts after them", why)
         self.resyncs += len(t.subscriptions)
         self._resync(t, list(t.subscriptions))
+        if t.changed is not None:
+            t.changed.notify_all()
 
     def _resync(self, t: _Table, subs: Iterable[Subscription]) -> None:
         """`subs` leave the stream, get a `resync`, and their connection takes a new
@@ -389,10 +434,11 @@ class Hub:
                     if dropped.xid is not None:
                         x = t.widened(dropped.xid)
                         t.dropped_xid = x if t.dropped_xid is None else max(t.dropped_xid, x)
+                encoded = Encoded(change)
                 for sub in list(t.subscriptions):
                     if sub.has(change):
                         continue  # in its snapshot, or sent
-                    message = sub.message_for(change)
+                    message = sub.message_for(change, encoded)
                     if message is not None and sub.client.offer(message, sub.id, change.size):
                         sub.after = change.position
                         self.delivered += 1
@@ -400,6 +446,8 @@ class Hub:
                         t.subscriptions.discard(sub)
                 if table == self.progress_table:
                     self._rebuilt(change)
+            if t.changed is not None:
+                t.changed.notify_all()
 
     def _rebuilt(self, change: Change) -> None:
         """Subscriptions of a projection whose generation just changed (it was rebuilt) leave
@@ -444,14 +492,10 @@ class Hub:
         before the position, or (snapshot) to every transaction the snapshot might not see."""
         with self.lock:
             t = self.tables[sub.table]
+            self._check_servable(sub.table, after)
             if isinstance(after, Snapshot):
-                dropped = t.dropped_xid
-                if dropped is not None and widen(dropped, after.xmax) >= after.xmin:
-                    raise Unservable(sub.table)
                 sub.snapshot, sub.after = after, FLOOR
             else:
-                if t.served_from is not None and after < t.served_from:
-                    raise Unservable(sub.table)
                 sub.snapshot, sub.after = None, after
             if first is not None:
                 sub.client.offer(first, sub.id, first_weight)
@@ -461,6 +505,54 @@ class Hub:
                     if message is not None and sub.client.offer(message, sub.id, change.size):
                         sub.after = change.position
             t.subscriptions.add(sub)
+
+    def page(
+        self, sub: Subscription, since: WalPosition | Snapshot, limit: int, wait: float
+    ) -> tuple[list[str], WalPosition | Snapshot]:
+        """For a long-poll: the `change` messages of `sub` after `since` (at most `limit`, in
+        order) and the position to ask from next; when there are none, waits up to `wait`
+        seconds for the first. The next position is the last change returned; with none, a
+        change position moves on to the newest change the hub has (none of those concerned
+        `sub`), a snapshot stays as it is (changes it sees may still be on their way). Raises
+        Unservable when the hub's history of the table does not reach back to `since`."""
+        deadline = time.monotonic() + wait
+        with self.lock:
+            t = self.tables[sub.table]
+            while True:
+                self._check_servable(sub.table, since)
+                if isinstance(since, Snapshot):
+                    sub.snapshot, sub.after = since, FLOOR
+                else:
+                    sub.snapshot, sub.after = None, since
+                found: list[str] = []
+                for change in t.ring:
+                    if len(found) >= limit:
+                        break
+                    if not sub.has(change):
+                        message = sub.message_for(change)
+                        if message is not None:
+                            found.append(message)
+                            sub.after = change.position
+                if found:
+                    return found, sub.after
+                if isinstance(since, WalPosition) and t.last > since:
+                    since = t.last  # nothing after `since` concerns `sub`
+                left = deadline - time.monotonic()
+                if left <= 0 or t.changed is None:
+                    return [], since
+                t.changed.wait(left)
+
+    def _check_servable(self, table: str, after: WalPosition | Snapshot) -> None:
+        """Raises Unservable when `table`'s history does not reach back to `after`: before the
+        position, or (snapshot) to every transaction the snapshot might not see. Holds the
+        lock."""
+        t = self.tables[table]
+        if isinstance(after, Snapshot):
+            dropped = t.dropped_xid
+            if dropped is not None and widen(dropped, after.xmax) >= after.xmin:
+                raise Unservable(table)
+        elif t.served_from is not None and after < t.served_from:
+            raise Unservable(table)
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self.lock:

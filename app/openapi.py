@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.feeds_api import MAX_LIMIT as CHANGES_LIMIT
 from app.streams_api import MAX_BYTES, MAX_RECORDS
 from app.views_api import MAX_LIMIT, MAX_WAIT_S
 from commands.registry import COMMANDS
@@ -171,6 +172,20 @@ def _column_schema(python_type: type) -> dict[str, Any]:
     return {"type": "string"}
 
 
+# A view change, as every protocol carries it (websocket, server-sent events, long-polling).
+CHANGE = {
+    "type": "object",
+    "required": ["type", "id", "op", "key", "row", "position"],
+    "properties": {
+        "type": {"const": "change"},
+        "id": {"type": "string"},
+        "op": {"enum": ["upsert", "delete"]},
+        "key": {"type": "object"},
+        "row": {"type": ["object", "null"]},
+        "position": {"type": "string"},
+    },
+}
+
 CONSISTENCY = [
     {
         "name": "consistent_with",
@@ -324,6 +339,62 @@ def view_paths(errors: dict[str, Any]) -> dict[str, Any]:
                             },
                         },
                         "a page of rows",
+                    ),
+                    **failures,
+                },
+            }
+        }
+        paths[f"/views/{name}/changes"] = {
+            "get": {
+                "summary": f"Long-poll {name}: a snapshot, then the changes after a position",
+                "description": (
+                    "Without `since`: the rows (a consistent snapshot) and its position as "
+                    "`next`. With `since`: every change after it, in order (at most `limit`), "
+                    "waiting up to `wait` seconds for the first, and `next` to ask from; "
+                    '`{"resync": true}` when `since` can no longer be served (ask again '
+                    "without it). The same changes as a websocket's (see /asyncapi.json)."
+                ),
+                "operationId": f"changes_{name}",
+                "tags": ["views"],
+                "security": [{"bearer": ["views:read"]}],
+                "parameters": [
+                    *filters,
+                    {
+                        "name": "since",
+                        "in": "query",
+                        "required": False,
+                        "description": "`next` of the previous answer",
+                        "schema": {"type": "string", "maxLength": 4096},
+                    },
+                    {
+                        "name": "wait",
+                        "in": "query",
+                        "required": False,
+                        "description": "seconds to wait for a first change (default 0), or "
+                        "for `consistent_with` without `since` (default 5)",
+                        "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT_S},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": CHANGES_LIMIT},
+                    },
+                    CONSISTENCY[0],
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["changes", "next"],
+                            "properties": {
+                                "snapshot": {"type": "array", "items": row},
+                                "changes": {"type": "array", "items": CHANGE},
+                                "next": {"type": ["string", "null"]},
+                                "resync": {"type": "boolean"},
+                            },
+                        },
+                        "a snapshot, or a page of changes",
                     ),
                     **failures,
                 },

@@ -40,7 +40,8 @@ def _forced(output: View) -> dict[str, str]:
     return row_scope(g.rows, output.name, output.columns)
 
 
-def _number(name: str, default: float, low: float, high: float) -> float:
+def query_number(name: str, default: float, low: float, high: float) -> float:
+    """The query argument `name` as a number within [low, high] (`422` otherwise)."""
     raw = request.args.get(name)
     if raw is None:
         return default
@@ -79,7 +80,7 @@ def _consistent(projection: Fold) -> None:
         position = LogPosition.parse(token)
     except ValueError as e:
         raise _bad_position(e, "not a position token") from e
-    wait = _number("wait", 5.0, 0.0, MAX_WAIT_S)
+    wait = query_number("wait", 5.0, 0.0, MAX_WAIT_S)
     try:
         reached = _model().wait_for(projection, position, wait, g.subject)
     except BeyondTheLog as e:
@@ -149,7 +150,7 @@ def list_rows(view: str) -> Response:
             ],
         )
     filters = narrowed(filters, _forced(output))
-    limit = int(_number("limit", 50, 1, MAX_LIMIT))
+    limit = int(query_number("limit", 50, 1, MAX_LIMIT))
     _consistent(projection)
     try:
         rows, next_cursor = _model().rows(output, filters, limit, request.args.get("cursor"))

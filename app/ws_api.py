@@ -1,8 +1,9 @@
 """`/ws`: subscribe to views and receive their changes (protocol in docs/api.md, design in
 app/hub.py).
 
-Each connection has two threads: this handler, which reads the client's messages, and a sender
-that drains the client's outbox into the socket (and sends heartbeats when idle)."""
+Each connection's handler reads the client's messages; what the server sends goes through the
+process's one websocket writer (app/ws_writer.py), which drains every client's outbox into its
+socket and sends heartbeats when idle."""
 
 from __future__ import annotations
 
@@ -10,30 +11,22 @@ import contextlib
 import json
 import logging
 import socket
-import threading
 import time
 from typing import Any
 
 from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
-from kafka.errors import KafkaError
 from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from app.auth import narrowed, row_scope, scopes, verify
+from app.auth import scopes, verify
 from app.errors import ApiError, too_many, unavailable
-from app.health import public_lag
-from app.hub import Client, Hub, Subscription, Unservable
-from app.read_model import BadValue, BeyondTheLog, ReadModel
-from app.waiting import TooManyWaiters
+from app.hub import Client, Hub
+from app.read_model import ReadModel
+from app.subscribing import Reader, Subscriber, parse_since
 from app.ws_admission import Admission, Ticket, TokenBucket
 from app.ws_messages import Problem, Subscribe, Unsubscribe, parse
-from cdc.changes import Snapshot, WalPosition
-from commands.messages import LogPosition
+from app.ws_writer import Writer
 from config.settings import Settings
-from projections.base import Fold
-from projections.registry import VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +35,12 @@ sock = Sock()
 
 UNAUTHORIZED, FORBIDDEN, TOO_MANY_FOR_SUBJECT = 4401, 4403, 4429
 TRY_AGAIN_LATER = 1013  # RFC 6455's registry: the server is overloaded
-HUB_WAIT_S = 15.0
+EXPIRED = {
+    "type": "error",
+    "id": None,
+    "code": "unauthorized",
+    "message": "the token has expired; connect again with a new one",
+}
 
 
 @bp.before_request
@@ -96,6 +94,7 @@ def websocket(ws: Any) -> None:
             app.config["JWT_SECRET"],
             app.extensions["logfold.ws_admission"],
             g.ws_ticket,
+            app.extensions["logfold.ws_writer"],
         ).serve(request.args.get("token"), g.get("ws_claims"))
     finally:
         release(ws)
@@ -118,6 +117,10 @@ def release(ws: Any, linger: float = 1.0) -> None:
         ws.sock.close()
 
 
+def _dumps(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"))
+
+
 class Connection:
     def __init__(
         self,
@@ -128,13 +131,13 @@ class Connection:
         secret: str,
         admission: Admission,
         ticket: Ticket,
+        writer: Writer,
     ) -> None:
         self.ws, self.settings, self.hub, self.model, self.secret = ws, settings, hub, model, secret
-        self.admission, self.ticket = admission, ticket
+        self.admission, self.ticket, self.writer = admission, ticket, writer
         self.subscribes = TokenBucket(settings.ws_subscribe_burst, settings.ws_subscribes_per_s)
         self.client = Client(settings.ws_buffer, settings.ws_buffer_bytes)
         self.client.abort = self._abort  # type: ignore[attr-defined]
-        self._send_lock = threading.Lock()
         self.subject: str | None = None
         self.scopes: set[str] = set()
         self.rows: dict[str, str] = {}  # the token's row claim (guarantee 18)
@@ -174,12 +177,16 @@ class Connection:
             self.admission.leave_subject(self.subject)
 
     def _serve_authenticated(self) -> None:
+        """Read the client's messages until it goes (the writer sends: app/ws_writer.py)."""
         self.hub.attach(self.client)
-        sender = threading.Thread(target=self._send_loop, name="ws-sender", daemon=True)
-        sender.start()
+        outlet = self.writer.attach(self.ws, self.client, self._resubscribe)
         try:
             while self.client.close_code is None:
-                raw = self.ws.receive()
+                left = self.expires_at - time.time()
+                if left <= 0:  # expired while open
+                    self.client.close(UNAUTHORIZED, "the token has expired", EXPIRED)
+                    break
+                raw = self.ws.receive(timeout=left)
                 if raw is None or self.client.close_code is not None:
                     continue
                 self._handle(raw)
@@ -188,7 +195,7 @@ class Connection:
         finally:
             self.client.close(1000, "bye")
             self.hub.detach(self.client)
-            sender.join(timeout=15)
+            self.writer.detach(outlet, linger=2.0)
 
     def _authenticate(self, token: str | None, claims: dict[str, Any] | None = None) -> bool:
         """`?token=` (`claims`, when it was verified at admission) or a first `{"op": "auth",
@@ -220,6 +227,13 @@ class Connection:
         self.subject, self.expires_at = str(claims["sub"]), float(claims["exp"])
         self.scopes = scopes(claims)
         self.rows = claims.get("rows") or {}
+        self.subscriber = Subscriber(
+            self.settings,
+            self.hub,
+            self.model,
+            self.client,
+            Reader(self.subject, self.scopes, self.rows),
+        )
         return True
 
     def _refuse(self, close_code: int, code: str, message: str) -> bool:
@@ -234,39 +248,8 @@ class Connection:
             self.ws.sock.shutdown(socket.SHUT_RDWR)
 
     def _send(self, message: dict[str, Any]) -> None:
-        with self._send_lock:
-            self.ws.send(json.dumps(message, separators=(",", ":")))
-
-    def _send_loop(self) -> None:
-        try:
-            while True:
-                left = self.expires_at - time.time()
-                if left <= 0 and self.client.close_code is None:  # expired while open
-                    self._send(
-                        {
-                            "type": "error",
-                            "id": None,
-                            "code": "unauthorized",
-                            "message": "the token has expired; connect again with a new one",
-                        }
-                    )
-                    self.client.close(UNAUTHORIZED, "the token has expired")
-                batch = self.client.take(min(self.settings.ws_heartbeat_s, max(left, 0.0)))
-                if batch is None:
-                    break
-                if not batch:
-                    self._send({"type": "heartbeat"})
-                for message in batch:
-                    if message["type"] == "_resubscribe":
-                        self._resubscribe(message["id"])
-                    else:
-                        self._send(message)
-        except (ConnectionClosed, OSError):
-            self.client.close(1006, "connection lost")
-        finally:
-            if self.client.close_code not in (None, 1000, 1006):
-                with contextlib.suppress(ConnectionClosed, OSError):
-                    self.ws.close(reason=self.client.close_code, message=self.client.close_reason)
+        """Send at once, before the connection is registered with the writer (refusals)."""
+        self.ws.send(_dumps(message))
 
     # -- client messages --------------------------------------------------------------------
 
@@ -323,10 +306,6 @@ class Connection:
                 m.id,
                 retry_after=round(wait, 3),
             )
-        found = VIEWS.get(m.view)
-        if found is None:
-            raise Problem("not_found", f"unknown view {m.view!r}; GET /views lists them", m.id)
-        projection, output = found
         if m.id in self.client.subscriptions:
             raise Problem("validation_failed", f"subscription id {m.id!r} is in use", m.id)
         if len(self.client.subscriptions) >= self.settings.ws_max_subscriptions:
@@ -335,120 +314,28 @@ class Connection:
                 f"at most {self.settings.ws_max_subscriptions} subscriptions per connection",
                 m.id,
             )
-        allowed = set(output.filterable) | set(output.key)
-        unknown = sorted(set(m.filter) - allowed)
-        if unknown:
-            raise Problem(
-                "validation_failed",
-                f"cannot filter {m.view} on {unknown}; filterable: {sorted(allowed)}",
-                m.id,
-            )
-        try:  # the token's row claim: the filter may narrow it, never widen it
-            claimed = narrowed(m.filter, row_scope(self.rows, m.view, output.columns))
-        except ApiError as e:
-            raise Problem(e.code, e.message, m.id) from e
-        try:
-            wanted = self.model.filter_values(output, claimed)
-        except BadValue as e:
-            raise Problem("validation_failed", str(e), m.id) from e
-        since: WalPosition | Snapshot | None = None
-        if m.since is not None:  # a change's position, or a snapshot's (nothing received after)
-            try:
-                since = Snapshot.parse(m.since) if ":" in m.since else WalPosition.parse(m.since)
-            except ValueError as e:
-                raise Problem("validation_failed", str(e), m.id) from e
+        sub = self.subscriber.subscription(m.id, m.view, m.filter)
+        since = parse_since(m.since, m.id) if m.since is not None else None
         if m.consistent_with is not None:
-            self._wait_for(projection, m)
-        sub = Subscription(m.id, m.view, output.name, projection.name, wanted, self.client)
+            self.subscriber.wait_for(sub, m.consistent_with, m.wait)
         self.client.subscriptions[m.id] = sub
         self.client.offer({"type": "subscribed", "id": m.id})
         try:
-            self._start(sub, since)
+            self.subscriber.start(sub, since)
         except Problem:
             self.client.subscriptions.pop(m.id, None)
             self.hub.unsubscribe(sub)
             raise
-
-    def _wait_for(self, fold: Fold, m: Subscribe) -> None:
-        """Wait until the view includes the command position `consistent_with` (the bound of
-        REST's `?consistent_with=&wait=`); an error `timeout` with the lag if it does not."""
-        assert m.consistent_with is not None
-        try:
-            written = LogPosition.parse(m.consistent_with)
-        except ValueError as e:
-            raise Problem("validation_failed", f"consistent_with: {e}", m.id) from e
-        try:
-            if self.model.wait_for(fold, written, m.wait, self.subject or "-"):
-                return
-            lag = self.model.lag().get(fold.name, {})
-            if "admin" not in self.scopes:  # failure texts and lost ranges: admin only
-                lag = public_lag(lag)
-        except (OperationalError, PoolTimeout) as e:
-            raise Problem("unavailable", "the database is unavailable; retry", m.id) from e
-        except BeyondTheLog as e:
-            raise Problem("validation_failed", f"consistent_with: {e}", m.id) from e
-        except TooManyWaiters as e:
-            raise Problem("too_many_requests", f"{e}; try again when one has answered", m.id) from e
-        except KafkaError as e:  # the log's end offsets, for a view fed by changelogs
-            log.warning("consistent_with on %s: Kafka did not answer (%s)", m.view, e)
-            raise Problem("unavailable", "Kafka is unavailable; retry", m.id) from e
-        raise Problem(
-            "timeout",
-            f"{m.view} did not reach the position within {m.wait:g}s",
-            m.id,
-            lag=lag,
-        )
-
-    def _start(self, sub: Subscription, since: WalPosition | Snapshot | None) -> None:
-        if not self.hub.ready.wait(HUB_WAIT_S):
-            raise Problem("unavailable", "the changelogs are not readable yet; retry", sub.id)
-        if since is not None:
-            try:
-                self.hub.subscribe(sub, since)
-                return
-            except Unservable:
-                self.client.offer({"type": "resync", "id": sub.id})
-        self._snapshot(sub)
-
-    def _snapshot(self, sub: Subscription) -> None:
-        _, output = VIEWS[sub.view]
-        limit = self.settings.ws_snapshot_rows
-        for _ in range(3):
-            try:
-                rows, snapshot = self.model.snapshot(output, sub.filter, limit)
-            except (OperationalError, PoolTimeout) as e:
-                raise Problem("unavailable", "the database is unavailable; retry", sub.id) from e
-            if len(rows) > limit:
-                raise Problem(
-                    "too_many_rows",
-                    f"the snapshot would exceed {limit} rows; narrow the filter",
-                    sub.id,
-                )
-            weight = len(json.dumps(rows, separators=(",", ":")))
-            if weight > self.settings.ws_buffer_bytes // 2:
-                raise Problem(
-                    "too_many_rows",
-                    f"the snapshot would be {weight} bytes, more than a connection may queue "
-                    "(LOGFOLD_WS_BUFFER_BYTES / 2); narrow the filter",
-                    sub.id,
-                )
-            first = {"type": "snapshot", "id": sub.id, "rows": rows, "position": str(snapshot)}
-            try:
-                self.hub.subscribe(sub, snapshot, first, weight)
-                return
-            except Unservable:
-                continue  # the hub's history moved past the snapshot meanwhile: take another
-        raise Problem("unavailable", "could not take a consistent snapshot; retry", sub.id)
 
     def _resubscribe(self, sub_id: str) -> None:
         sub = self.client.subscriptions.get(sub_id)
         if sub is None:
             return
         try:
-            self._snapshot(sub)
+            self.subscriber.snapshot(sub)
         except Problem as p:
             self.client.subscriptions.pop(sub_id, None)
-            self._send({"type": "error", "id": sub_id, "code": p.code, "message": p.message})
+            self.client.offer({"type": "error", "id": sub_id, "code": p.code, "message": p.message})
 
     def _unsubscribe(self, m: Unsubscribe) -> None:
         sub = self.client.subscriptions.pop(m.id, None)

@@ -15,11 +15,26 @@ record (its CreateTime) and when an ordinary consumer could read it.
 
 fanout: cdc and api processes only (no events: the changes are plain SQL `UPDATE customers`,
 which isolates the push path). N websocket subscribers of `customers` in one or a few client
-processes (bench/wsfleet.py), then updates at a fixed rate, one row per transaction; every
-subscriber should receive every change. Latency is from the change's commit time (its
-`committed_at`, from the changelog) to receipt, both on this machine's clock; throughput is
-messages received by all subscribers per second. CPU of each process tree and the API's RSS are
-read from /proc.
+processes (bench/wsfleet.py), each with a token of its own subject (`fan-<i>`: the API admits
+at most `LOGFOLD_WS_MAX_PER_SUBJECT` websockets per subject), then updates at a fixed rate, one
+row per transaction; every subscriber should receive every change. Rate 0 updates back to back
+on the one writer connection: Logfold's saturation. Latency is from the change's commit time
+(its `committed_at`, from the changelog) to receipt, both on this machine's clock; throughput
+is messages received by all subscribers per second. CPU of each process tree and the API's RSS
+are read from /proc.
+
+Then, in the same run (Logfold's processes stopped), the ceiling (bench/ws_ceiling.py, unless
+`--no-ceiling`): one plain Python process, one thread, no Logfold, Kafka or Postgres, writing
+`change` frames of the same size to the same number of sockets of the same fleet at the same
+rates (0: as fast as the sockets take them). Its "commit" is when it decides a change. Each
+level reports it under `ceiling` and Logfold's figures over its under `logfold/ceiling`.
+
+Settings: the processes the bench starts inherit no `LOGFOLD_*` variable, so the bench passes
+its own environment's on (e.g. `LOGFOLD_WS_MAX_PER_SUBJECT=2000 .venv/bin/python bench/live.py
+fanout ...`), then its own overrides (`LOGFOLD_API_THREADS`, from `--api-threads`); those that
+tie a process to the bench's stack (its secret, topic prefix, partitions, one API worker, log
+level, command timeout) stay the stack's. The result shows what was passed
+(`process_settings`).
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +67,12 @@ from bench.loadgen import percentile
 from bench.procstat import CpuMeter, rss_mib, threads, tree
 from bench.read_freshness import trivial_query
 from bench.read_stack import Stack
+from bench.ws_ceiling import Ceiling, change_message
 from bench.wsfleet import Fleet
 from config.settings import Settings, kafka_fetch_bounds
 from config.topics import Topics
 from stack.procs import wait_until
-from tests.support import HttpApi, Processes, token
+from tests.support import HttpApi, Processes, child_env, token
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -68,8 +84,20 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def ws_url(api_url: str) -> str:
-    return api_url.replace("http://", "ws://", 1) + "/ws?token=" + token("views:read")
+def ws_url(api_url: str, query: str | None = None) -> str:
+    """The API's websocket URL; `query` (default: a token of subject "tester") follows it."""
+    query = query if query is not None else "?token=" + token("views:read")
+    return api_url.replace("http://", "ws://", 1) + "/ws" + query
+
+
+def process_env(settings: Settings, overrides: dict[str, str]) -> dict[str, str]:
+    """Settings for the processes the bench starts, which inherit no `LOGFOLD_*` variable:
+    the bench's own `LOGFOLD_*` environment, then `overrides`. Those that tie a process to
+    the bench's stack (`child_env`'s: its secret, topics, one API worker...) stay the stack's,
+    or its processes could not work together."""
+    own = child_env(settings)
+    env = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_") and k not in own}
+    return env | overrides
 
 
 @dataclass
@@ -200,7 +228,8 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
             {"offered_per_s": rate, **trivial_query(settings, rate, args.duration, args.repeats)}
             for rate in args.rates
         ]
-        procs = Processes(settings, stack.work)
+        env = process_env(settings, {})
+        procs = Processes(settings, stack.work, env)
         try:
             roots = {
                 "processor": procs.processor().pid,
@@ -229,6 +258,7 @@ def freshness(args: argparse.Namespace) -> dict[str, Any]:
                 "duration_s": args.duration,
                 "levels": levels,
                 "ceiling": ceiling,
+                "process_settings": env,
             }
         finally:
             procs.stop()
@@ -324,12 +354,16 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- fanout ---------------------------------------------------------------------------------
 
+SUBSCRIBE = {"op": "subscribe", "id": "s", "view": "customers", "filter": {}}
+MEDIANS = ("delivered_per_s", "delivered_ratio", "p50_ms", "p99_ms")
+
 
 def fanout(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack()
     with stack as settings:
         api_threads = args.api_threads or args.clients + 200
-        procs = Processes(settings, stack.work, {"LOGFOLD_API_THREADS": str(api_threads)})
+        env = process_env(settings, {"LOGFOLD_API_THREADS": str(api_threads)})
+        procs = Processes(settings, stack.work, env)
         fleets: list[Fleet] = []
         try:
             keys = _seed(settings, args.rows)
@@ -340,27 +374,12 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
             probe.close()
             no_clients_rss = rss_mib(tree(api_proc.pid))
 
-            subscribe = {"op": "subscribe", "id": "s", "view": "customers", "filter": {}}
-            sizes = [
-                args.clients // args.client_procs + (i < args.clients % args.client_procs)
-                for i in range(args.client_procs)
-            ]
-            fleets = [Fleet(ws_url(url), n, subscribe) for n in sizes]
-            t = time.monotonic()
-            for fleet in fleets:
-                fleet.control.send("connect")
-            connected = sum(fleet.control.recv() for fleet in fleets)
-            wait_until(
-                lambda: sum(f.ask("status")["snapshots"] for f in fleets) == args.clients,
-                300,
-                "every subscriber's snapshot",
-                interval=1,
+            queries = _subscriber_queries(args.clients)
+            fleets, connected, connect_s = _connect(
+                [ws_url(url, q) for q in queries], args.client_procs
             )
-            connect_s = time.monotonic() - t
-
             roots = stack.infrastructure() | {"api": api_proc.pid, "cdc": cdc.pid}
-            roots |= {f"clients{i}": f.pid for i, f in enumerate(fleets)}
-            meter = CpuMeter(roots | {"bench": os.getpid()}, alone=("bench",))
+            meter = CpuMeter(roots | _fleet_roots(fleets), alone=("bench",))
             api_tree = tree(api_proc.pid)
             meter.start()
             time.sleep(args.idle)
@@ -371,28 +390,26 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
                 "cpu": _clients_total(meter.stop()),
             }
 
-            levels = []
-            for rate in tqdm(args.rates, desc="rates", unit="level"):
-                runs = [
-                    _fanout_run(settings, fleets, meter, api_proc.pid, keys, rate, args.duration)
-                    for _ in range(args.repeats)
-                ]
-                levels.append(
-                    {
-                        "changes_per_s": rate,
-                        **{
-                            k: statistics.median(r[k] for r in runs)
-                            for k in (
-                                "delivered_per_s",
-                                "delivered_ratio",
-                                "p50_ms",
-                                "p99_ms",
-                                "api_rss_peak_mib",
-                            )
-                        },
-                        "runs": runs,
-                    }
-                )
+            levels: list[dict[str, Any]] = []
+            records: list[Record] = []
+            for rate in tqdm(args.rates, desc="rates (logfold)", unit="level"):
+                runs = []
+                for _ in range(args.repeats):
+                    run, records = _logfold_run(
+                        settings, fleets, meter, api_proc.pid, keys, rate, args.duration
+                    )
+                    runs.append(run)
+                levels.append({"changes_per_s": rate, **_medians_of(runs, "api_rss_peak_mib")})
+                levels[-1]["runs"] = runs
+            for fleet in fleets:
+                fleet.close()
+            fleets = []
+            procs.stop()  # the ceiling runs on a quiet machine (Kafka and Postgres idle)
+            if args.ceiling:
+                ceiling = _ceiling_levels(args, queries, records)
+                for level, top in zip(levels, ceiling, strict=True):
+                    level["ceiling"] = top
+                    level["logfold/ceiling"] = _ratios(level, top)
             return {
                 "benchmark": "live-fanout",
                 "view": "customers (unfiltered)",
@@ -400,6 +417,7 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
                 "connected": connected,
                 "client_processes": args.client_procs,
                 "api_threads_setting": api_threads,
+                "process_settings": env,
                 "rows": args.rows,
                 "duration_s": args.duration,
                 "connect_and_snapshot_s": connect_s,
@@ -410,6 +428,34 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
             for fleet in fleets:
                 fleet.close()
             procs.stop()
+
+
+def _subscriber_queries(clients: int) -> list[str]:
+    """Each subscriber's query string: a token of its own subject (`fan-<i>`), so that the
+    API's per-subject websocket limit (`LOGFOLD_WS_MAX_PER_SUBJECT`) admits every one."""
+    return [f"?token={token('views:read', subject=f'fan-{i}')}" for i in range(clients)]
+
+
+def _connect(urls: list[str], procs: int) -> tuple[list[Fleet], int, float]:
+    """Fleets of `procs` client processes sharing `urls` (a subscriber each); once every
+    subscriber has its snapshot: (the fleets, sockets opened, seconds it took)."""
+    fleets = [Fleet(urls[i::procs], SUBSCRIBE) for i in range(procs)]
+    t = time.monotonic()
+    for fleet in fleets:
+        fleet.control.send("connect")
+    connected = sum(fleet.control.recv() for fleet in fleets)
+    wait_until(
+        lambda: sum(f.ask("status")["snapshots"] for f in fleets) == len(urls),
+        300,
+        "every subscriber's snapshot",
+        interval=1,
+    )
+    return fleets, connected, time.monotonic() - t
+
+
+def _fleet_roots(fleets: list[Fleet]) -> dict[str, int]:
+    """The fleets' processes and the bench's own, for a CPU meter."""
+    return {f"clients{i}": f.pid for i, f in enumerate(fleets)} | {"bench": os.getpid()}
 
 
 def _seed(settings: Settings, rows: int) -> list[str]:
@@ -423,7 +469,7 @@ def _seed(settings: Settings, rows: int) -> list[str]:
     return keys
 
 
-def _fanout_run(
+def _logfold_run(
     settings: Settings,
     fleets: list[Fleet],
     meter: CpuMeter,
@@ -431,12 +477,12 @@ def _fanout_run(
     keys: list[str],
     rate: float,
     duration: float,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[Record]]:
+    """One run on Logfold: updates at `rate` (0: as fast as one writer connection goes);
+    its figures, and the changelog records the bench's own consumer saw (their rows are the
+    ceiling's)."""
     tap = Tap(settings, "customers")
-    for fleet in fleets:
-        fleet.ask("reset")
-    statuses = [f.ask("status") for f in fleets]
-    open_before = sum(s["snapshots"] - s["closed"] for s in statuses)
+    open_before = _reset(fleets)
     peak = [0.0]
     sampling = threading.Event()
 
@@ -446,48 +492,88 @@ def _fanout_run(
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    writes = [0]
-    conn = psycopg.connect(settings.database(), autocommit=True)
-    write_lock = threading.Lock()
-
-    def update(i: int, _: float) -> None:
-        with write_lock:  # one writer connection: commits in order, one row each
-            conn.execute(
-                "UPDATE customers SET version = version + 1 WHERE customer_id = %s",
-                (keys[i % len(keys)],),
-            )
-            writes[0] += 1
-
     meter.start()
-    open_loop(rate, duration, update)
-    expected = writes[0] * open_before
-    last, still = -1, time.monotonic()
-    while time.monotonic() - still < 10:  # until all arrived, or nothing more for 10 s
-        got = sum(f.ask("status")["changes"] for f in fleets)
-        if got >= expected:
-            break
-        if got != last:
-            last, still = got, time.monotonic()
-        time.sleep(0.2)
+    writes = _updates(settings, keys, rate, duration)
+    _await_delivery(fleets, writes * open_before)
     cpu = _clients_total(meter.stop())
     sampling.set()
     sampler.join()
-    conn.close()
     time.sleep(0.5)
     records = tap.stop()
     committed = {r.position: r.committed_at for r in records}
+    result = {
+        "changes_per_s": rate,
+        "writes": writes,
+        "written_per_s": writes / duration,
+        **_receipts(fleets, committed, writes * open_before),
+        "subscribers": open_before,
+        "message_bytes": _message_bytes(records),
+        # for comparison: commit -> a plain Kafka consumer of the changelog (as the hub's)
+        "commit_to_consumer": summary([r.read_at - r.committed_at for r in records]),
+        "api_rss_peak_mib": peak[0],
+        "cpu": cpu,
+    }
+    return result, records
 
+
+def _updates(settings: Settings, keys: list[str], rate: float, duration: float) -> int:
+    """`UPDATE customers`, one row per transaction on one connection (commits in order), at
+    `rate` per second, open loop; or, with rate 0, back to back: one writer's saturation."""
+    writes = [0]
+    lock = threading.Lock()
+    with psycopg.connect(settings.database(), autocommit=True) as conn:
+
+        def update(i: int, _: float) -> None:
+            with lock:
+                conn.execute(
+                    "UPDATE customers SET version = version + 1 WHERE customer_id = %s",
+                    (keys[i % len(keys)],),
+                )
+                writes[0] += 1
+
+        if rate > 0:
+            open_loop(rate, duration, update)
+        else:
+            end = time.time() + duration
+            while time.time() < end:
+                update(writes[0], 0)
+    return writes[0]
+
+
+def _reset(fleets: list[Fleet]) -> int:
+    """Forget what the fleets received; the subscribers open now."""
+    for fleet in fleets:
+        fleet.ask("reset")
+    statuses = [f.ask("status") for f in fleets]
+    return sum(s["snapshots"] - s["closed"] for s in statuses)
+
+
+def _await_delivery(fleets: list[Fleet], expected: int) -> None:
+    """Until the fleets hold `expected` changes, or nothing more came for 10 s."""
+    last, still = -1, time.monotonic()
+    while time.monotonic() - still < 10:
+        got = sum(f.ask("status")["changes"] for f in fleets)
+        if got >= expected:
+            return
+        if got != last:
+            last, still = got, time.monotonic()
+        time.sleep(0.2)
+
+
+def _receipts(fleets: list[Fleet], committed: dict[str, float], expected: int) -> dict[str, Any]:
+    """The fleets' receipts joined by position with each change's commit time: delivered
+    ratio and rate, latency, and what else the subscribers got."""
     latencies: list[float] = []
     kinds: dict[str, int] = {}
     closes: dict[str, int] = {}
     first, last_receipt, received, unknown = float("inf"), 0.0, 0, 0
     for fleet in fleets:
-        got_ = fleet.ask("collect")
-        for k, n in got_["kinds"].items():
+        got = fleet.ask("collect")
+        for k, n in got["kinds"].items():
             kinds[k] = kinds.get(k, 0) + n
-        for k, n in got_["closes"].items():
+        for k, n in got["closes"].items():
             closes[k] = closes.get(k, 0) + n
-        for position, times in got_["times"].items():
+        for position, times in got["times"].items():
             at = committed.get(position.decode())
             if at is None:
                 unknown += len(times)
@@ -498,9 +584,6 @@ def _fanout_run(
             latencies.extend(t - at for t in times)
     span = last_receipt - first
     return {
-        "changes_per_s": rate,
-        "writes": writes[0],
-        "subscribers": open_before,
         "expected": expected,
         "received": received,
         "unmatched": unknown,
@@ -508,13 +591,101 @@ def _fanout_run(
         "delivered_per_s": received / span if span > 0 else float("nan"),
         "first_commit_to_last_receipt_s": span,
         **summary(latencies),
-        # for comparison: commit -> a plain Kafka consumer of the changelog (as the hub's)
-        "commit_to_consumer": summary([r.read_at - r.committed_at for r in records]),
         "other_messages": kinds,
         "closes": closes,
-        "api_rss_peak_mib": peak[0],
+    }
+
+
+def _message_bytes(records: list[Record]) -> int:
+    """The size of the `change` Logfold sends the fleet for a changelog record (its last)."""
+    for r in reversed(records):
+        if r.row is not None:
+            return len(change_message("s", r.row, r.position))
+    return 0
+
+
+def _medians_of(runs: list[dict[str, Any]], *more: str) -> dict[str, Any]:
+    return {k: statistics.median(r[k] for r in runs) for k in (*MEDIANS, *more)}
+
+
+def _ratios(logfold: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, float]:
+    """Logfold's figure over the ceiling's, for each median figure."""
+    return {
+        k: logfold[k] / ceiling[k] if ceiling[k] else float("nan")
+        for k in ("delivered_per_s", "p50_ms", "p99_ms")
+    }
+
+
+# -- the ceiling ----------------------------------------------------------------------------
+
+
+def _ceiling_levels(
+    args: argparse.Namespace, queries: list[str], records: list[Record]
+) -> list[dict[str, Any]]:
+    """The same fleet, subscriber count, rates and durations against `ws_ceiling.py`: one
+    plain process writing frames of the same size as Logfold's to the same sockets."""
+    rows = [r.row for r in records if r.row is not None][-args.rows :] or _rows_like_seed(args.rows)
+    lsn = max((int(r.position.partition(".")[0]) for r in records), default=10**8)
+    ceiling = Ceiling()
+    fleets: list[Fleet] = []
+    try:
+        fleets, connected, connect_s = _connect(
+            [ceiling.url(q) for q in queries], args.client_procs
+        )
+        meter = CpuMeter({"ceiling": ceiling.pid} | _fleet_roots(fleets), alone=("bench",))
+        levels = []
+        for rate in tqdm(args.rates, desc="rates (ceiling)", unit="level"):
+            runs = [
+                _ceiling_run(ceiling, fleets, meter, rows, lsn, rate, args.duration)
+                for _ in range(args.repeats)
+            ]
+            level = {"connected": connected, "connect_and_snapshot_s": connect_s}
+            levels.append(level | _medians_of(runs) | {"runs": runs})
+        return levels
+    finally:
+        for fleet in fleets:
+            fleet.close()
+        ceiling.close()
+
+
+def _ceiling_run(
+    ceiling: Ceiling,
+    fleets: list[Fleet],
+    meter: CpuMeter,
+    rows: list[dict[str, Any]],
+    lsn: int,
+    rate: float,
+    duration: float,
+) -> dict[str, Any]:
+    open_before = _reset(fleets)
+    meter.start()
+    pushed = ceiling.ask("push", rate=rate, duration=duration, rows=rows, lsn=lsn)
+    _await_delivery(fleets, pushed["sent"] * open_before)
+    cpu = _clients_total(meter.stop())
+    return {
+        "changes_per_s": rate,
+        "sent": pushed["sent"],
+        "sent_per_s": pushed["sent"] / duration,
+        **_receipts(fleets, pushed["decided"], pushed["sent"] * open_before),
+        "subscribers": open_before,
+        "message_bytes": pushed["message_bytes"],
         "cpu": cpu,
     }
+
+
+def _rows_like_seed(rows: int) -> list[dict[str, Any]]:
+    """Rows shaped as the seeded ones, should the changelog have shown none."""
+    now = datetime.now(UTC).isoformat()
+    return [
+        {
+            "customer_id": f"fan-{i:05d}",
+            "name": "fan",
+            "email": f"fan-{i:05d}@example.com",
+            "registered_at": now,
+            "version": 1,
+        }
+        for i in range(rows)
+    ]
 
 
 def _clients_total(cpu: dict[str, float]) -> dict[str, float]:
@@ -530,13 +701,21 @@ def _clients_total(cpu: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def positive(text: str) -> float:
+    """A rate of an open loop: more than 0 per second."""
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive rate")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="which", required=True)
     f = sub.add_parser("freshness", help="command 201 -> change on a websocket, at several rates")
-    f.add_argument("--rates", type=float, nargs="+", default=[5, 20, 50])
+    f.add_argument("--rates", type=positive, nargs="+", default=[5, 20, 50], help="commands/s")
     f.add_argument("--duration", type=float, default=60)
     f.add_argument("--repeats", type=int, default=3)
     o = sub.add_parser("fanout", help="many subscribers of one view: messages/s and latency")
@@ -544,10 +723,22 @@ def main() -> None:
     o.add_argument("--client-procs", type=int, default=1, help="processes sharing the clients")
     o.add_argument("--api-threads", type=int, default=0, help="default: clients + 200")
     o.add_argument("--rows", type=int, default=100, help="rows of the view (its snapshot)")
-    o.add_argument("--rates", type=float, nargs="+", default=[2, 5, 10, 20])
+    o.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[2, 5, 10, 20],
+        help="changes/s; 0: as fast as one writer goes (Logfold) or the sockets take (ceiling)",
+    )
     o.add_argument("--duration", type=float, default=30)
     o.add_argument("--repeats", type=int, default=3)
     o.add_argument("--idle", type=float, default=10, help="seconds measured with clients idle")
+    o.add_argument(
+        "--ceiling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure bench/ws_ceiling.py with the same fleet and rates",
+    )
     args = parser.parse_args()
     result = freshness(args) if args.which == "freshness" else fanout(args)
     print(json.dumps(result, indent=2, default=str))

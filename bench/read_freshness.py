@@ -229,7 +229,7 @@ def trivial_query(
             producer.send(topic, key=key.encode(), value=b"x").get(timeout=30)
             return key, time.perf_counter()
 
-        warm = [open_loop(settings, rate, warmup, threaded(send), CEILING_SQL)] if warmup else []
+        warmed = [open_loop(settings, rate, warmup, threaded(send), CEILING_SQL)] if warmup else []
         runs = [
             open_loop(settings, rate, duration, threaded(send), CEILING_SQL) for _ in range(repeats)
         ]
@@ -237,7 +237,7 @@ def trivial_query(
             "p50_ms": statistics.median(r["p50_ms"] for r in runs),
             "p99_ms": statistics.median(r["p99_ms"] for r in runs),
             "runs": runs,
-            "warmup": warm,
+            "warmup": warmed,
         }
     finally:
         query.stop()

@@ -1,6 +1,8 @@
 """Many websocket subscribers in one process, cheap enough not to be the bottleneck.
 
-websocket-client does each handshake and sends the `subscribe`; after that the raw sockets go
+Each subscriber connects to its own URL (the parent gives one per subscriber: a token each, so a
+per-subject websocket limit of the server counts each alone). websocket-client does each
+handshake and sends the `subscribe`; after that the raw sockets go
 into one `selectors` loop that splits server frames itself and, for each `change`, only finds its
 `position` (the last field of the message) and notes when it arrived. No JSON is decoded on the
 hot path: all subscribers receive the same changes, so receipt times are kept per position and
@@ -115,9 +117,9 @@ class Subscriber:
             self.snapshot = True
 
 
-def _run(url: str, count: int, subscribe: dict[str, Any], control: Connection) -> None:
+def _run(urls: list[str], subscribe: dict[str, Any], control: Connection) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, count + 256)), hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, len(urls) + 256)), hard))
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ, None)
     subscribers: list[Subscriber] = []
@@ -132,7 +134,7 @@ def _run(url: str, count: int, subscribe: dict[str, Any], control: Connection) -
                 continue
             op = control.recv()
             if op == "connect":
-                for _ in range(count):
+                for url in urls:
                     ws = websocket.create_connection(url, timeout=60)
                     ws.send(json.dumps(subscribe))
                     assert ws.sock is not None
@@ -176,13 +178,14 @@ def _run(url: str, count: int, subscribe: dict[str, Any], control: Connection) -
 
 
 class Fleet:
-    """`count` subscribers in a child process, all sending the same `subscribe` message."""
+    """A subscriber per URL of `urls` in a child process, all sending the same `subscribe`
+    message."""
 
-    def __init__(self, url: str, count: int, subscribe: dict[str, Any]) -> None:
+    def __init__(self, urls: list[str], subscribe: dict[str, Any]) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.control, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_run, args=(url, count, subscribe, child), name="ws-fleet", daemon=True
+            target=_run, args=(urls, subscribe, child), name="ws-fleet", daemon=True
         )
         self.process.start()
         child.close()

@@ -45,6 +45,22 @@ class Change:
 XID_SPAN = 1 << 32
 
 
+def seen_as(filter: dict[str, Any], change: Change) -> str | None:
+    """How a subscriber of the rows matching `filter` (column -> value, in wire form) sees
+    `change`: rows entering or staying in the filter are `upsert`s, rows leaving it (or deleted)
+    are `delete`s; None when it does not concern the subscriber. Every push protocol (websocket,
+    server-sent events, long-polling, webhooks) sees changes this way."""
+
+    def matches(row: dict[str, Any] | None) -> bool:
+        return row is not None and all(row.get(c) == v for c, v in filter.items())
+
+    if matches(change.row):
+        return "upsert"
+    if matches(change.before) or (change.op == "delete" and change.before is None):
+        return "delete"
+    return None
+
+
 def widen(xid: int, near: int) -> int:
     """A 32-bit transaction id as the 64-bit one (epoch and xid, as `pg_current_snapshot()`
     gives them) nearest to `near`: ids within 2^31 of each other compare right."""

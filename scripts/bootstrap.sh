@@ -29,6 +29,8 @@ command -v python3 >/dev/null || missing+=(python3 python3-venv)
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
   command -v chromium >/dev/null || missing+=(chromium)
   command -v chromedriver >/dev/null || missing+=(chromium-driver)
+  # ...and parses /asyncapi.json with the AsyncAPI project's parser (Node.js).
+  command -v npm >/dev/null || missing+=(nodejs npm)
 fi
 if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
 
@@ -40,6 +42,14 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
   rm -f .venv/.installed-*
   touch "$stamp"
+fi
+
+contracts=tests/contracts
+lock_stamp="$contracts/node_modules/.installed-$(sha256sum < "$contracts/package-lock.json" | cut -c1-16)"
+if [[ ",$EXTRAS," == *",dev,"* && ! -f "$lock_stamp" ]]; then
+  say "installing the AsyncAPI parser for the contract tests (npm, in $contracts/node_modules)"
+  npm ci --prefix "$contracts" --no-audit --no-fund --loglevel=error
+  touch "$lock_stamp"
 fi
 
 say "fetching the Kafka broker and Spark Kafka connector jars (Maven Central, cached in .stack/lib)"

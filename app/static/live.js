@@ -1,5 +1,6 @@
-// The live page: subscribes to one view over /ws and keeps its rows in a table.
-// Protocol: docs/api.md, "Websocket /ws". No framework, no build step.
+// The live page: subscribes to one view over /ws (or server-sent events) and keeps its rows in
+// a table. Protocols: docs/api.md, "Websocket /ws" and "Server-sent events". No framework, no
+// build step.
 
 const SUB = "live"; // the page's one subscription id
 const RETRYABLE = new Set(["unavailable"]); // other errors need the user to change something
@@ -14,6 +15,7 @@ const ui = {
   view: $("view"),
   viewHint: $("view-hint"),
   filter: $("filter"),
+  protocol: $("protocol"),
   subscribe: $("subscribe"),
   stop: $("stop"),
   state: $("state"),
@@ -80,6 +82,7 @@ function parseFilter(text) {
 function start(view, filter) {
   stop();
   const s = { view, filter, token: ui.token.value.trim(), position: null, attempts: 0 };
+  s.protocol = ui.protocol.value;
   s.socket = s.timer = null;
   s.live = true;
   session = s;
@@ -96,12 +99,13 @@ function stop() {
   s.live = false;
   session = null;
   clearTimeout(s.timer);
-  s.socket?.close(1000);
+  s.socket?.close(1000); // (an EventSource's close takes no code)
   ui.stop.disabled = true;
   setState("Stopped.");
 }
 
 function connect(s) {
+  if (s.protocol === "sse") return connectEvents(s);
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
   const socket = new WebSocket(`${scheme}//${location.host}/ws`);
   s.socket = socket;
@@ -118,6 +122,70 @@ function connect(s) {
   socket.onclose = (event) => {
     if (session === s && s.socket === socket && s.live) retry(s, event);
   };
+}
+
+// Server-sent events: an EventSource cannot send headers, so the token goes in the URL (the
+// API's access log is off by default). The browser reconnects by itself with Last-Event-ID
+// (every snapshot and change carries its position as its id) after the stream ends.
+const EVENTS = ["snapshot", "change", "resync", "lagging"];
+const RESUMED_BY_BROWSER = new Set(["too_slow", "unavailable"]);
+
+function connectEvents(s) {
+  const params = new URLSearchParams({ ...s.filter, token: s.token });
+  if (s.position) params.set("since", s.position);
+  const url = `/views/${encodeURIComponent(s.view.name)}/events?${params}`;
+  const source = new EventSource(url);
+  s.socket = source;
+  setState(s.position ? `Reconnecting from ${s.position}…` : "Connecting…");
+  const mine = () => session === s && s.socket === source;
+  source.onopen = () => {
+    if (mine()) handle(s, { type: "subscribed" });
+  };
+  for (const type of EVENTS) {
+    source.addEventListener(type, (event) => {
+      if (mine()) handle(s, { ...JSON.parse(event.data), type });
+    });
+  }
+  source.addEventListener("error", (event) => {
+    if (!mine()) return;
+    if (event.data) {
+      // The server's own error: the stream ends after it.
+      const m = JSON.parse(event.data);
+      showError(describe(m));
+      if (!RESUMED_BY_BROWSER.has(m.code)) {
+        s.live = false;
+        source.close();
+        ui.stop.disabled = true;
+        setState("Stopped after an error.");
+      }
+    } else if (source.readyState === EventSource.CLOSED) {
+      refused(s, url); // an EventSource does not say why: ask once more to read the error
+    } else {
+      setState(`Disconnected; the browser reconnects from ${s.position ?? "the start"}…`);
+    }
+  });
+}
+
+async function refused(s, url) {
+  const abort = new AbortController();
+  let error = null;
+  try {
+    const response = await fetch(url, { signal: abort.signal });
+    if (!response.ok) error = (await response.json())?.error ?? null;
+  } catch {
+    // unreachable: retried below
+  } finally {
+    abort.abort();
+  }
+  if (session !== s) return;
+  if (error && !RESUMED_BY_BROWSER.has(error.code) && error.code !== "too_many_requests") {
+    showError(describe(error));
+    s.live = false;
+    ui.stop.disabled = true;
+    setState("Stopped after an error.");
+    return;
+  }
+  retry(s, { code: error?.code ?? "unreachable" });
 }
 
 function retry(s, event) {

@@ -289,3 +289,56 @@ def _wait(driver: WebDriver, check: Callable[[WebDriver], T], what: str) -> T:
             f"timed out after {WAIT_S}s waiting for {what}; page state {state!r}, "
             f"error {error!r}, rows {_page(driver)}"
         ) from None
+
+
+def test_over_server_sent_events_the_page_follows_changes_and_resumes_with_last_event_id(
+    server: tuple[str, Hub], browser: WebDriver, deployment: Settings
+) -> None:
+    """The browser's own EventSource: the snapshot, changes in place, and after the server
+    ends the stream (too slow), its automatic reconnect with Last-Event-ID resumes it."""
+    url, hub = server
+    group = f"group-{uuid.uuid4().hex[:8]}"
+    a, b, c = _keys(3)
+    _sql(deployment, _insert(a, group), _insert(b, group))
+
+    _open(browser, url, token("views:read"))
+    Select(browser.find_element(By.ID, "protocol")).select_by_value("sse")
+    _subscribe(browser, "customers", f"name={group}")
+    _wait_rows(browser, lambda: _table(deployment, group), "the snapshot over SSE")
+    _sql(
+        deployment,
+        ("UPDATE customers SET version = 1 WHERE customer_id = %s", (a,)),
+        _insert(c, group),
+    )
+    _wait_rows(browser, lambda: _table(deployment, group), "the changes over SSE")
+    assert re.fullmatch(r"\d+\.\d+", browser.find_element(By.ID, "position").text)
+
+    for client in list(hub.clients):  # as the server does with a stream read too slowly
+        client.close(4008, "too far behind")
+    _sql(
+        deployment,
+        ("UPDATE customers SET version = 2 WHERE customer_id = %s", (a,)),
+        ("DELETE FROM customers WHERE customer_id = %s", (b,)),
+    )
+    _wait_rows(browser, lambda: _table(deployment, group), "the changes made around the drop")
+    _wait(
+        browser,
+        lambda page: page.find_element(By.ID, "state").text.startswith("Live (resumed after "),
+        "a resume from the last event id, not a new snapshot",
+    )
+    console = browser.get_log("browser")  # type: ignore[no-untyped-call]
+    assert not [e for e in console if e["level"] == "SEVERE"], console
+
+
+def test_over_server_sent_events_a_refused_filter_shows_its_error_and_stops(
+    server: tuple[str, Hub], browser: WebDriver
+) -> None:
+    url, _ = server
+    _open(browser, url, token("views:read"))
+    Select(browser.find_element(By.ID, "protocol")).select_by_value("sse")
+    _subscribe(browser, "customers", "shoe_size=42")
+    error = _wait(browser, lambda page: page.find_element(By.ID, "error").text, "an error")
+    assert error.startswith("validation_failed: "), error
+    _wait(
+        browser, lambda page: page.find_element(By.ID, "state").text.startswith("Stopped"), "a stop"
+    )

@@ -3,12 +3,14 @@ resends, rebuilds, and the bounded outbox of a slow client."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from kafka import TopicPartition
 
+from app import hub as hub_module
 from app.hub import SLOW_CLOSE, Client, Hub, Subscription, Unservable
 from cdc.changes import Change, Snapshot, WalPosition, record_for, widen
 
@@ -29,7 +31,8 @@ def _sub(client: Client, **filter: Any) -> Subscription:
 
 
 def _taken(client: Client) -> list[dict[str, Any]]:
-    return client.take(0) or []
+    """What the client's socket would be sent, decoded (changes are queued as their text)."""
+    return [json.loads(m) if isinstance(m, str) else m for m in client.take(0) or []]
 
 
 def test_rows_entering_and_leaving_a_filter_are_upserts_and_deletes() -> None:
@@ -271,3 +274,28 @@ def test_a_first_start_reads_the_last_replay_records() -> None:
     assert hub._resume("orders", TP, 0, 100) == 95
     with pytest.raises(Unservable):  # before the first record read: unknown
         hub.subscribe(_sub(Client(100)), WalPosition(1, 1))
+
+
+def test_a_change_is_encoded_once_for_all_its_subscribers(monkeypatch: pytest.MonkeyPatch) -> None:
+    hub, clients = _hub(), [Client(100) for _ in range(50)]
+    for i, client in enumerate(clients):
+        sub = Subscription(f"s{i}", "orders", "orders", "orders", {}, client)
+        hub.subscribe(sub, WalPosition(0, 0))
+    encoded: list[Any] = []
+    real = hub_module._dumps
+    monkeypatch.setattr(hub_module, "_dumps", lambda v: encoded.append(v) or real(v))
+    row = {"order_id": "o1", "title": "Été"}
+    hub._apply("orders", [_change(10, "o1", row)])
+    assert len(encoded) == 1  # one body, whatever the number of subscribers
+    for i, client in enumerate(clients):
+        (text,) = client.take(0) or []
+        assert isinstance(text, str)
+        assert json.loads(text) == {
+            "type": "change",
+            "id": f"s{i}",
+            "op": "upsert",
+            "key": {"order_id": "o1"},
+            "row": row,
+            "position": "10.1",
+        }
+        assert text.endswith(',"position":"10.1"}')  # last: found without decoding the rest

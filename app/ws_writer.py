@@ -1,0 +1,316 @@
+"""One writer for every websocket of an API process.
+
+A websocket used to have a sender thread of its own, woken for each message: at fan-out (a change
+to a thousand subscribers) that is a thousand wake-ups and context switches per change, and a
+thread per socket. Instead, the hub queues messages in each client's bounded outbox (app/hub.py,
+unchanged: the same bounds, `lagging` and close 4008), the client tells this writer it has
+something, and the writer's one thread frames what each such client has and writes it with one
+non-blocking send. A socket that does not take it all keeps the rest here and is written again
+when it can take more (a selector says when); meanwhile its outbox fills, and the hub's
+slow-consumer policy applies as before. What falls behind costs its own outbox, never the writer.
+
+Every byte sent on a registered socket goes through its `Outlet`, in order: the frames of
+messages, and the control frames (pong, close) the websocket library sends from its reader
+thread, which see the socket through `SocketProxy`. Two writers never interleave on one socket.
+
+The writer also sends heartbeats to sockets idle for `heartbeat_s`, and hands a subscription's
+`resync` (a new snapshot: a database read) to a small pool, never doing it on its own thread."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from wsproto.connection import ConnectionState
+from wsproto.events import CloseConnection, TextMessage
+
+from app.hub import Client
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 1.0  # how often idle sockets are looked at (heartbeats)
+
+
+class Outlet:
+    """One websocket's side of the writer: frames its client's messages and keeps the bytes its
+    socket has not taken yet."""
+
+    def __init__(
+        self,
+        writer: Writer,
+        ws: Any,  # simple_websocket's connection: its wsproto state frames messages
+        client: Client,
+        resubscribe: Callable[[str], None],
+    ) -> None:
+        self.writer, self.ws, self.client, self.resubscribe = writer, ws, client, resubscribe
+        self.sock: socket.socket = ws.sock
+        self.pending = bytearray()
+        self.lock = threading.Lock()
+        self.last_write = time.monotonic()
+        self.closing = False  # the close frame is queued: nothing more is sent after it
+        self.detached = False
+        self.broken = False
+        self.waiting_writable = False
+        self.finished = threading.Event()  # done: detached with nothing left, or broken
+
+    def enqueue(self, data: bytes) -> None:
+        """Bytes another part of the connection sends (the library's pong and close frames)."""
+        with self.lock:
+            if not self.closing:
+                self.pending += data
+        self.writer.wake(self)
+
+    def pump(self) -> None:
+        """Frame what the client has queued and write as much as the socket takes; once the
+        client is closed and its last messages are framed, its close frame. While the socket
+        has not taken what it was given, the messages stay in the client's outbox: that is
+        where a slow reader's backlog is bounded (`lagging`, then 4008)."""
+        self.flush()
+        if self.pending and self.client.close_code is None:
+            return  # written again when the socket can take more
+        if not self.ws.connected or self.ws.ws.state != ConnectionState.OPEN:
+            # Closed by the library (the client's close, or the server's own after the handler):
+            # nothing more can be framed.
+            self.client.take(0)
+            self._after(bytearray(), closing=True)
+            return
+        frames = bytearray()
+        closing = False
+        while True:
+            taken = self.client.take(0)
+            if taken is None:  # closed, and nothing is left to send
+                closing = not self.closing
+                code = self.client.close_code or 1000
+                if closing and code not in (1000, 1006):
+                    reason = self.client.close_reason[:120]
+                    frames += self.ws.ws.send(CloseConnection(code=code, reason=reason))
+                    self.ws.connected = False  # as the library's own close() leaves it
+                break
+            for message in taken:
+                if isinstance(message, str):  # a change, encoded once for its subscribers
+                    frames += self.ws.ws.send(TextMessage(data=message))
+                elif message["type"] == "_resubscribe":
+                    self.writer.pool.submit(self._resubscribe, message["id"])
+                else:
+                    text = json.dumps(message, separators=(",", ":"))
+                    frames += self.ws.ws.send(TextMessage(data=text))
+            if not taken or self.client.close_code is None:
+                break  # (a closed client: once more, for its close frame)
+        self._after(frames, closing)
+
+    def _resubscribe(self, sub_id: str) -> None:
+        try:
+            self.resubscribe(sub_id)
+        except Exception:  # a bug: logged; the subscription stays without a snapshot
+            log.exception("resubscribing %s failed", sub_id)
+
+    def _after(self, frames: bytearray, closing: bool = False) -> None:
+        with self.lock:
+            if frames and not self.closing:
+                self.pending += frames
+            self.closing = self.closing or closing
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what is pending without blocking; what the socket does not take waits for it
+        to be writable."""
+        with self.lock:
+            while self.pending and not self.broken:
+                try:
+                    sent = self.sock.send(self.pending, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    self.broken = True
+                    self.pending.clear()
+                    self.client.close(1006, "connection lost")
+                    break
+                del self.pending[:sent]
+                self.last_write = time.monotonic()
+            waiting = bool(self.pending) and not self.broken
+        self.writer.want_writable(self, waiting)
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be written: detached (or broken) with nothing left."""
+        return self.broken or (self.detached and not self.pending)
+
+
+class SocketProxy:
+    """The socket as the websocket library sees it once its connection is registered: sends go
+    through the outlet (in order with the writer's frames); everything else is the socket's."""
+
+    def __init__(self, sock: socket.socket, outlet: Outlet) -> None:
+        self._sock, self._outlet = sock, outlet
+
+    def send(self, data: bytes) -> int:
+        self._outlet.enqueue(bytes(data))
+        return len(data)
+
+    def sendall(self, data: bytes) -> None:
+        self._outlet.enqueue(bytes(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class Writer:
+    """The process's websocket writer: one thread, a selector for sockets that are full."""
+
+    def __init__(self, heartbeat_s: float, snapshot_workers: int = 4) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.pool = ThreadPoolExecutor(snapshot_workers, thread_name_prefix="ws-resubscribe")
+        self.outlets: set[Outlet] = set()
+        self.dirty: set[Outlet] = set()
+        self.lock = threading.Lock()
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._signalled = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._started = threading.Lock()
+        self.written = 0  # messages framed (for tests and metrics)
+
+    def start(self) -> None:
+        with self._started:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ws-writer", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._signal()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def attach(self, ws: Any, client: Client, resubscribe: Callable[[str], None]) -> Outlet:
+        """Register a connection: from now on every byte sent on its socket goes through here."""
+        self.start()
+        outlet = Outlet(self, ws, client, resubscribe)
+        ws.sock = SocketProxy(ws.sock, outlet)
+        client.listener = lambda: self.wake(outlet)
+        with self.lock:
+            self.outlets.add(outlet)
+            self.dirty.add(outlet)  # what was queued before it was registered
+        self._signal()
+        return outlet
+
+    def detach(self, outlet: Outlet, linger: float = 0.0) -> None:
+        """The connection ends: what is pending is still written (its close frame; waiting at
+        most `linger` for it, as the server closes the socket once the handler returns), then
+        the outlet is dropped."""
+        outlet.detached = True
+        self.wake(outlet)
+        if linger > 0:
+            outlet.finished.wait(linger)
+
+    def wake(self, outlet: Outlet) -> None:
+        with self.lock:
+            self.dirty.add(outlet)
+        self._signal()
+
+    def want_writable(self, outlet: Outlet, waiting: bool) -> None:
+        with self.lock:
+            if waiting == outlet.waiting_writable:
+                return
+            outlet.waiting_writable = waiting
+            try:
+                if waiting:
+                    self.selector.register(outlet.sock, selectors.EVENT_WRITE, outlet)
+                else:
+                    self.selector.unregister(outlet.sock)
+            except (KeyError, ValueError, OSError):
+                outlet.waiting_writable = False
+
+    def _signal(self) -> None:
+        if self._signalled:
+            return
+        self._signalled = True
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_S
+        while not self._stopping:
+            try:
+                ready = self.selector.select(max(0.0, next_sweep - time.monotonic()))
+            except OSError:  # a registered socket was closed meanwhile
+                ready = []
+                self._forget_closed()
+            writable: list[Outlet] = []
+            for key, _ in ready:
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        self._wake_r.recv(4096)
+                else:
+                    writable.append(key.data)
+            with self.lock:
+                self._signalled = False
+                dirty, self.dirty = self.dirty, set()
+            for outlet in dirty:
+                self._pump(outlet)
+            for outlet in writable:
+                if outlet not in dirty:
+                    self._pump(outlet)
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + SWEEP_S
+                self._sweep(now)
+
+    def _pump(self, outlet: Outlet) -> None:
+        try:
+            if not outlet.detached and not outlet.broken:
+                outlet.pump()
+            else:
+                outlet.flush()
+        except Exception:  # a bug: this connection is cut, the others go on
+            log.exception("websocket writer: writing to a connection failed; it is closed")
+            outlet.broken = True
+            outlet.client.close(1011, "internal error")
+        if outlet.done:
+            self.want_writable(outlet, False)
+            with self.lock:
+                self.outlets.discard(outlet)
+            outlet.finished.set()
+
+    def _sweep(self, now: float) -> None:
+        """Heartbeats for sockets idle for `heartbeat_s`; outlets that are done go."""
+        with self.lock:
+            outlets = list(self.outlets)
+        for outlet in outlets:
+            if outlet.done:
+                self._pump(outlet)
+            elif (
+                not outlet.closing
+                and outlet.ws.connected
+                and now - outlet.last_write >= self.heartbeat_s
+            ):
+                outlet.last_write = now
+                outlet.client.offer({"type": "heartbeat"})
+
+    def _forget_closed(self) -> None:
+        with self.lock:
+            for outlet in list(self.outlets):
+                if outlet.sock.fileno() == -1:
+                    outlet.broken = True
+                    with contextlib.suppress(KeyError, ValueError):
+                        self.selector.unregister(outlet.sock)
+                    outlet.waiting_writable = False
+                    self.outlets.discard(outlet)
+                    outlet.finished.set()
