@@ -18,6 +18,7 @@ from app import (
     ops,
     streams_api,
     views_api,
+    webhooks_api,
     ws_admission,
     ws_api,
     ws_writer,
@@ -78,6 +79,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.register_blueprint(streams_api.bp)
     app.register_blueprint(feeds_api.bp)  # before views': `/views/<v>/events` is not a key
     app.register_blueprint(views_api.bp)
+    app.register_blueprint(webhooks_api.bp)
     app.register_blueprint(ws_api.bp)
     app.register_blueprint(live_page.bp)
     return app

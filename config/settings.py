@@ -146,6 +146,31 @@ class Settings(BaseSettings):
     ws_replay: int = Field(default=10_000, ge=0)  # recent changes kept per table for `since`
     ws_socket_buffer_bytes: int = Field(default=256 * 1024, ge=4096)
 
+    # Webhooks (`logfold webhooks`, docs/webhooks.md). Outbound calls reach only public
+    # addresses: loopback, link-local and private ones (and IPv4 ones mapped into IPv6) are
+    # refused, checked on the address actually connected to, unless this allows them (tests,
+    # a receiver on the same private network).
+    webhook_allow_private: bool = False
+    # How long one delivery is retried (exponential backoff with full jitter, from
+    # `webhook_backoff_base_s` doubling up to `webhook_backoff_cap_s` between attempts) before
+    # it goes to the endpoint's dead letters, and how long an endpoint may fail without a
+    # single success before it is paused with a reason (Svix's figures: a day, five days).
+    webhook_retry_window_s: float = Field(default=24 * 3600.0, gt=0)
+    webhook_backoff_base_s: float = Field(default=2.0, gt=0)
+    webhook_backoff_cap_s: float = Field(default=3600.0, gt=0)
+    webhook_pause_after_s: float = Field(default=5 * 24 * 3600.0, gt=0)
+    # How long a replayed dead letter is retried before it is a dead letter again.
+    webhook_replay_window_s: float = Field(default=300.0, gt=0)
+    # Each outbound request: the TCP (and TLS) connect, then each wait for the response, and
+    # the whole request; at most `webhook_max_response_bytes` of the answer are read (none of
+    # it matters but its status).
+    webhook_connect_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_timeout_s: float = Field(default=15.0, gt=0)
+    webhook_max_response_bytes: int = Field(default=64 * 1024, ge=0)
+    # How often the dispatcher looks for endpoints created, paused, resumed or deleted through
+    # the API when no notification told it sooner (the API notifies it at once).
+    webhook_poll_s: float = Field(default=5.0, gt=0)
+
     jwt_secret: str | None = None
     jwt_audience: str = Field(default=JWT_AUDIENCE, min_length=1)
     jwt_max_ttl_s: int = Field(default=JWT_MAX_TTL_S, ge=60)

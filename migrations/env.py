@@ -6,6 +6,7 @@ from sqlalchemy import engine_from_config, pool
 import cdc.state  # noqa: F401
 import projections.base.progress
 import projections.registry  # noqa: F401  (loads every view's table)
+import webhooks.tables  # noqa: F401
 from projections import metadata
 
 config = context.config

@@ -157,6 +157,15 @@ def cdc(drop_slot: bool) -> None:
     _serve(Capture)
 
 
+@main.command("webhooks")
+def webhooks_() -> None:
+    """Deliver view changes to the registered webhook endpoints: one worker per endpoint, each
+    from its durable cursor (see docs/webhooks.md)."""
+    from webhooks.dispatcher import Dispatcher
+
+    _serve(Dispatcher)
+
+
 class _Service(Protocol):
     def run(self) -> None: ...
     def stop(self) -> None: ...
@@ -253,7 +262,10 @@ def migrate() -> None:
                 err=True,
             )
             sys.exit(1)
-        click.echo(f"the API logs in as {role}: a member of logfold_reader, reads the views only")
+        click.echo(
+            f"the API logs in as {role}: a member of logfold_reader, reads the views only "
+            "(and of logfold_webhooks: registers webhook endpoints)"
+        )
 
 
 @main.command()

@@ -191,6 +191,7 @@ class LocalStack:
         self._projector_spawned = self._database_now()
         projector = self.spawn("projector", "projector")
         self.spawn("cdc", "cdc")
+        self.spawn("webhooks", "webhooks")
         self.spawn("api", "api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)

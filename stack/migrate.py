@@ -23,12 +23,14 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 
 READER = "logfold_reader"  # made by migration 0007; reads what 0012 grants it
+WEBHOOKS = "logfold_webhooks"  # made by migration 0013; writes the webhook tables only
 
 
 def ensure_login(owner_url: str, login_url: str) -> str:
-    """Make the login of `login_url` (its user, with its password) a member of `logfold_reader`:
-    created if missing, its password set to the URL's. Run as the owner of `owner_url`, which
-    needs CREATEROLE. Returns the login's name; ValueError when it is the owner itself."""
+    """Make the login of `login_url` (its user, with its password) a member of `logfold_reader`
+    (and of `logfold_webhooks`, which writes the webhook tables only): created if missing, its
+    password set to the URL's. Run as the owner of `owner_url`, which needs CREATEROLE.
+    Returns the login's name; ValueError when it is the owner itself."""
     from urllib.parse import unquote, urlsplit
 
     import psycopg
@@ -49,4 +51,8 @@ def ensure_login(owner_url: str, login_url: str) -> str:
             statement = sql.SQL("{} PASSWORD {}").format(statement, sql.Literal(password))
         conn.execute(statement)
         conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(READER), sql.Identifier(role)))
+        # The API registers webhook endpoints: their tables, and no other, are its to write.
+        if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (WEBHOOKS,)).fetchone():
+            grant = sql.SQL("GRANT {} TO {}")
+            conn.execute(grant.format(sql.Identifier(WEBHOOKS), sql.Identifier(role)))
     return role

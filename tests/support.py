@@ -362,6 +362,9 @@ class Processes:
     def cdc(self) -> subprocess.Popen[bytes]:
         return self._spawn("cdc", "cdc")
 
+    def webhooks(self) -> subprocess.Popen[bytes]:
+        return self._spawn("webhooks", "webhooks")
+
     def wait_processing(self, api_url: str, processors: int, timeout: float = 60) -> None:
         """Until /health shows `processors` members in the processors' group."""
 

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.integration
 SERVED = {*VIEWS, str(progress.name)}
 # Tables of the folds' own state: customer ids and fields that no view shows.
 STATE = {"join_state", "stream_ids", "conversion_views", "conversion_orders"}
+# The webhook endpoints the API registers (through `logfold_webhooks`, migration 0013).
+WEBHOOKS = {"webhook_endpoints", "webhook_dead_letters"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def test_the_login_reads_no_other_table_now_or_later(
 ) -> None:
     with psycopg.connect(deployment.database(), autocommit=True) as owner:
         owner.execute("CREATE TABLE customers__rebuild (LIKE customers)")  # a rebuild's shadow
-    others = tables(deployment) - SERVED
+    others = tables(deployment) - SERVED - WEBHOOKS
     assert STATE | {"customers__rebuild", "author_profiles"} <= others, others
     for table in sorted(others):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -87,6 +89,20 @@ def test_the_login_reads_no_other_table_now_or_later(
     ):
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             reader.execute(statement)
+
+
+def test_the_login_writes_the_webhook_tables_and_no_other(
+    reader: psycopg.Connection[tuple[object, ...]],
+) -> None:
+    reader.execute(
+        "INSERT INTO webhook_endpoints (id, url, view, secret, cursor) "
+        "VALUES ('ep_t', 'https://example.com/', 'customers', 'whsec_x', 0)"
+    )
+    reader.execute("UPDATE webhook_endpoints SET status = 'paused' WHERE id = 'ep_t'")
+    assert reader.execute("SELECT count(*) FROM webhook_dead_letters").fetchone() == (0,)
+    assert reader.execute("DELETE FROM webhook_endpoints WHERE id = 'ep_t'").rowcount == 1
+    with pytest.raises(psycopg.errors.InsufficientPrivilege):
+        reader.execute("INSERT INTO customers (customer_id) VALUES ('x')")
 
 
 def test_the_login_sees_no_other_sessions_queries(

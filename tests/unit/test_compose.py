@@ -26,7 +26,7 @@ SCHEMA_FILE = ROOT / "stack" / "compose" / "compose-spec.json"
 SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
 
 INFRA_SERVICES = {"kafka", "postgres"}
-APP_SERVICES = {"migrate", "processor", "api", "projector", "cdc"}
+APP_SERVICES = {"migrate", "processor", "api", "projector", "cdc", "webhooks"}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,7 @@ def test_app_commands(compose: dict[str, Any]) -> None:
     assert services["api"]["command"][0] == "api"
     assert services["projector"]["command"] == ["projector"]
     assert services["cdc"]["command"] == ["cdc"]
+    assert services["webhooks"]["command"] == ["webhooks"]
     # Published on the loopback interface only, never on all of them.
     assert services["api"]["ports"] == ["127.0.0.1:${LOGFOLD_API_HOST_PORT:-8000}:8000"]
     for service in services.values():
