@@ -43,7 +43,9 @@ def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
     with contextlib.ExitStack() as servers:
 
         def start(**overrides: Any) -> tuple[str, Flask]:
-            ws_url, app = servers.enter_context(served(deployment.model_copy(update=overrides)))
+            # Heartbeats often: a stream whose client went is seen (and let go) at its next write.
+            settings = deployment.model_copy(update={"ws_heartbeat_s": 0.5, **overrides})
+            ws_url, app = servers.enter_context(served(settings))
             return ws_url.removesuffix("/ws").replace("ws://", "http://", 1), app
 
         yield start
