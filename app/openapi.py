@@ -10,6 +10,8 @@ from pydantic.json_schema import models_json_schema
 from app.feeds_api import MAX_LIMIT as CHANGES_LIMIT
 from app.streams_api import MAX_BYTES, MAX_RECORDS
 from app.views_api import MAX_LIMIT, MAX_WAIT_S
+from app.webhooks_api import MAX_LIMIT as DELIVERIES_LIMIT
+from app.webhooks_api import MAX_URL, STATUSES
 from commands.registry import COMMANDS
 from commands.schemas import CommandRequest
 from projections.registry import VIEWS
@@ -130,6 +132,7 @@ def build_spec() -> dict[str, Any]:
         }
     paths.update(stream_paths(errors))
     paths.update(view_paths(errors))
+    paths.update(webhook_paths(errors))
     paths.update(operations_paths(errors))
     return {
         "openapi": "3.1.0",
@@ -414,6 +417,303 @@ def view_paths(errors: dict[str, Any]) -> dict[str, Any]:
             }
         }
     return paths
+
+
+WEBHOOK = {
+    "type": "object",
+    "required": [
+        "id",
+        "url",
+        "view",
+        "filter",
+        "status",
+        "paused_reason",
+        "cursor",
+        "failing_since",
+        "last_error",
+        "attempts",
+        "dead_letters",
+        "skipped_offsets",
+        "created_at",
+        "updated_at",
+    ],
+    "properties": {
+        "id": {"type": "string"},
+        "url": {"type": "string"},
+        "view": {"type": "string"},
+        "filter": {"type": "object"},
+        "status": {"enum": ["active", "paused"]},
+        "paused_reason": {"type": ["string", "null"]},
+        "cursor": {
+            "type": "integer",
+            "description": "the next offset of the view's changelog to look at",
+        },
+        "failing_since": {"type": ["string", "null"], "format": "date-time"},
+        "last_error": {"type": ["string", "null"]},
+        "attempts": {"type": "integer", "description": "of the delivery being retried"},
+        "dead_letters": {"type": "integer", "description": "failed ones"},
+        "skipped_offsets": {
+            "type": "integer",
+            "description": "changelog offsets compaction removed before the cursor reached them",
+        },
+        "created_at": {"type": "string", "format": "date-time"},
+        "updated_at": {"type": "string", "format": "date-time"},
+    },
+}
+
+DEAD_LETTER = {
+    "type": "object",
+    "required": [
+        "id",
+        "offset",
+        "position",
+        "key",
+        "body",
+        "attempts",
+        "last_error",
+        "first_attempt_at",
+        "failed_at",
+        "status",
+        "replayed_at",
+    ],
+    "properties": {
+        "id": {"type": "string", "description": "the delivery's `webhook-id`"},
+        "offset": {"type": "integer"},
+        "position": {"type": "string"},
+        "key": {"type": "object"},
+        "body": {"type": "string"},
+        "attempts": {"type": "integer"},
+        "last_error": {"type": "string"},
+        "first_attempt_at": {"type": "string", "format": "date-time"},
+        "failed_at": {"type": "string", "format": "date-time"},
+        "status": {"enum": list(STATUSES)},
+        "replayed_at": {"type": ["string", "null"], "format": "date-time"},
+    },
+}
+
+
+def webhook_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    """`/webhooks…` (scope `admin`): webhook endpoints and their dead letters (docs/api.md,
+    Webhooks; docs/webhooks.md)."""
+    security = [{"bearer": ["admin"]}]
+    filterable = "; ".join(
+        f"{name}: {', '.join(view.filterable) or '(none)'}" for name, (_, view) in VIEWS.items()
+    )
+    create = {
+        "type": "object",
+        "required": ["url", "view"],
+        "additionalProperties": False,
+        "properties": {
+            "url": {
+                "type": "string",
+                "format": "uri",
+                "minLength": 1,
+                "maxLength": MAX_URL,
+                "description": "http(s), without credentials or fragment; a loopback, "
+                "link-local or private address (or a name resolving to one) is refused unless "
+                "LOGFOLD_WEBHOOK_ALLOW_PRIVATE is set",
+            },
+            "view": {"enum": sorted(VIEWS)},
+            "filter": {
+                "type": "object",
+                "description": "column -> value over the view's filterable columns "
+                f"({filterable}); a token's row claim narrows it",
+            },
+            "secret": {
+                "type": "string",
+                "pattern": "^whsec_[A-Za-z0-9+/]+={0,2}$",
+                "description": "whsec_<base64 of 24-64 bytes>; generated when absent",
+            },
+            "from": {
+                "enum": ["now", "beginning"],
+                "description": "where deliveries start: changes from now on (the default), or "
+                "all the changelog holds",
+            },
+        },
+    }
+    created = {
+        "allOf": [WEBHOOK],
+        "required": ["secret"],
+        "properties": {"secret": {"type": "string", "description": "shown only here"}},
+    }
+    endpoint_id = {
+        "name": "id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "minLength": 1},
+    }
+    status = {
+        "type": "object",
+        "required": ["status"],
+        "additionalProperties": False,
+        "properties": {"status": {"enum": ["active", "paused"]}},
+    }
+    replay = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "ids": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "the dead letters to replay (all failed ones when absent)",
+            }
+        },
+    }
+    return {
+        "/webhooks": {
+            "post": {
+                "summary": "Register a webhook endpoint for one view's changes",
+                "operationId": "create_webhook",
+                "tags": ["webhooks"],
+                "security": security,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": create}},
+                },
+                "responses": {
+                    "201": {
+                        **_json(created, "the endpoint, with its secret (shown only here)"),
+                        "headers": {
+                            "Location": {
+                                "description": "/webhooks/<id>",
+                                "schema": {"type": "string"},
+                            }
+                        },
+                    },
+                    **_pick(errors, "400", "401", "403", "413", "415", "422", "503"),
+                },
+            },
+            "get": {
+                "summary": "The webhook endpoints",
+                "operationId": "list_webhooks",
+                "tags": ["webhooks"],
+                "security": security,
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["webhooks"],
+                            "properties": {"webhooks": {"type": "array", "items": WEBHOOK}},
+                        },
+                        "every endpoint",
+                    ),
+                    **_pick(errors, "401", "403", "503"),
+                },
+            },
+        },
+        "/webhooks/{id}": {
+            "get": {
+                "summary": "One webhook endpoint",
+                "operationId": "get_webhook",
+                "tags": ["webhooks"],
+                "security": security,
+                "parameters": [endpoint_id],
+                "responses": {
+                    "200": _json(WEBHOOK, "the endpoint"),
+                    **_pick(errors, "401", "403", "404", "503"),
+                },
+            },
+            "patch": {
+                "summary": "Pause an endpoint (its cursor stays) or resume it from its cursor",
+                "operationId": "update_webhook",
+                "tags": ["webhooks"],
+                "security": security,
+                "parameters": [endpoint_id],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": status}},
+                },
+                "responses": {
+                    "200": _json(WEBHOOK, "the endpoint"),
+                    **_pick(errors, "400", "401", "403", "404", "413", "415", "422", "503"),
+                },
+            },
+            "delete": {
+                "summary": "Delete an endpoint, and its dead letters",
+                "operationId": "delete_webhook",
+                "tags": ["webhooks"],
+                "security": security,
+                "parameters": [endpoint_id],
+                "responses": {
+                    "204": {"description": "deleted"},
+                    **_pick(errors, "401", "403", "404", "503"),
+                },
+            },
+        },
+        "/webhooks/{id}/deliveries": {
+            "get": {
+                "summary": "An endpoint's dead letters, in changelog order",
+                "operationId": "list_webhook_deliveries",
+                "tags": ["webhooks"],
+                "security": security,
+                "parameters": [
+                    endpoint_id,
+                    {
+                        "name": "status",
+                        "in": "query",
+                        "required": False,
+                        "description": "only those with this status (all by default)",
+                        "schema": {"enum": list(STATUSES)},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": DELIVERIES_LIMIT},
+                    },
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "required": False,
+                        "description": "`next` of the previous page",
+                        "schema": {"type": "integer", "minimum": -1, "maximum": 2**63 - 1},
+                    },
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "required": ["deliveries", "next"],
+                            "properties": {
+                                "deliveries": {"type": "array", "items": DEAD_LETTER},
+                                "next": {"type": ["integer", "null"]},
+                            },
+                        },
+                        "a page of dead letters",
+                    ),
+                    **_pick(errors, "401", "403", "404", "422", "503"),
+                },
+            }
+        },
+        "/webhooks/{id}/deliveries/replay": {
+            "post": {
+                "summary": "Deliver failed dead letters again, oldest first, under their ids",
+                "operationId": "replay_webhook_deliveries",
+                "tags": ["webhooks"],
+                "security": security,
+                "parameters": [endpoint_id],
+                "requestBody": {
+                    "required": False,
+                    "content": {"application/json": {"schema": replay}},
+                },
+                "responses": {
+                    "202": _json(
+                        {
+                            "type": "object",
+                            "required": ["replaying", "note"],
+                            "properties": {
+                                "replaying": {"type": "integer"},
+                                "note": {"type": ["string", "null"]},
+                            },
+                        },
+                        "how many were marked for delivery (a paused endpoint delivers them "
+                        "once resumed)",
+                    ),
+                    **_pick(errors, "400", "401", "403", "404", "413", "415", "422", "503"),
+                },
+            }
+        },
+    }
 
 
 def operations_paths(errors: dict[str, Any]) -> dict[str, Any]:

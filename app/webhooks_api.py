@@ -5,7 +5,11 @@ list and replay their dead letters. Deliveries are the dispatcher's (`logfold we
 from __future__ import annotations
 
 import functools
+import ipaddress
+import re
 import socket
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as Timeout
 from typing import Any
 
 import psycopg
@@ -28,6 +32,16 @@ bp = Blueprint("webhooks", __name__)
 STATUSES = ("failed", "replaying", "delivered")
 MAX_LIMIT = 500
 FIELDS = {"url", "view", "filter", "secret", "from"}
+MAX_URL = 2048
+# A URL is ASCII (RFC 3986: an international name as punycode, the rest percent-encoded)
+# without spaces or control characters: what the dispatcher can send a request line for.
+URL_CHARACTERS = re.compile(r"[\x21-\x7e]+")
+INTEGER = re.compile(r"-?[0-9]{1,19}")  # a bigint; Python refuses to parse 4,300 digits
+# How long a registration waits for the URL's name to resolve. A name that has not resolved by
+# then is taken as one that does not resolve now (see `_url`); the lookup is left to finish in
+# the background, in a few threads of its own, so slow DNS never holds a request for long.
+RESOLVE_TIMEOUT_S = 1.0
+_resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="webhook-resolve")
 
 
 def _settings() -> Settings:
@@ -41,6 +55,15 @@ def _store() -> WebhookStore:
 
 def _invalid(field: str, problem: str) -> ApiError:
     return ApiError(422, "validation_failed", problem, [{"field": field, "problem": problem}])
+
+
+def _storable(value: str) -> bool:
+    """Whether Postgres text (UTF-8, no NUL) can hold `value`."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a lone surrogate, from a JSON `\ud800` escape
+        return False
+    return "\x00" not in value
 
 
 def _database(fn: Any) -> Any:
@@ -94,24 +117,53 @@ def _letter(letter: DeadLetter) -> dict[str, Any]:
 
 
 def _url(value: Any, allow_private: bool) -> str:
-    if not isinstance(value, str) or not value or len(value) > 2048:
-        raise _invalid("url", "a URL of at most 2048 characters")
+    if not isinstance(value, str) or not value or len(value) > MAX_URL:
+        raise _invalid("url", f"a URL of at most {MAX_URL} characters")
+    if not URL_CHARACTERS.fullmatch(value):
+        raise _invalid(
+            "url",
+            "a URL is printable ASCII without spaces: give an international name as punycode "
+            "(xn--...) and percent-encode the rest",
+        )
     try:
         _, host, port = check_url(value, allow_private)
     except Refused as e:
         raise _invalid("url", str(e)) from e
+    if not _literal(host):
+        try:
+            host.encode("idna")  # as the resolver will, here and in the dispatcher
+        except UnicodeError as e:
+            raise _invalid("url", f"{host!r} is not a valid host name") from e
     # A name that resolves to a refused address now is refused now; the dispatcher checks the
     # address again at every connection (the name may resolve differently later).
     if not allow_private:
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError:
-            infos = []  # not resolvable now: deliveries fail and are retried until it is
-        for *_, sockaddr in infos:
+        for *_, sockaddr in _resolve(host, port):
             reason = allowed(str(sockaddr[0]).split("%")[0], allow_private)
             if reason is not None:
                 raise _invalid("url", f"{host} resolves to a refused address: {reason}")
     return value
+
+
+def _literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve(host: str, port: int) -> list[Any]:
+    """`host`'s addresses, or none when it does not resolve now (or not within
+    RESOLVE_TIMEOUT_S): its deliveries then fail, and are retried, until it does, and the
+    dispatcher checks every address it connects to whatever this found."""
+    lookup = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        return lookup.result(timeout=RESOLVE_TIMEOUT_S)
+    except Timeout:
+        lookup.cancel()  # if it is still waiting for a thread
+        return []
+    except (OSError, UnicodeError):
+        return []
 
 
 def _filter(value: Any, view: str) -> dict[str, Any]:
@@ -137,6 +189,9 @@ def _filter(value: Any, view: str) -> dict[str, Any]:
     # The token's row claim narrows the filter, never widens it (as for reads).
     forced = row_scope(g.rows, output.name, output.columns)
     chosen = narrowed(value, forced)
+    for c, v in chosen.items():
+        if isinstance(v, str) and not _storable(v):
+            raise _invalid(f"filter.{c}", "a value without NUL characters or lone surrogates")
     try:
         return {
             c: None if v is None else wire_value(coerce(output.table.c[c], v))
@@ -192,10 +247,14 @@ def list_endpoints() -> Response:
 
 
 def _endpoint(store: WebhookStore, endpoint_id: str) -> Endpoint:
-    found = store.get(endpoint_id)
+    found = store.get(endpoint_id) if _storable(endpoint_id) else None
     if found is None:
-        raise ApiError(404, "not_found", f"no webhook {endpoint_id!r}")
+        raise _missing(endpoint_id)
     return found
+
+
+def _missing(endpoint_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no webhook {endpoint_id!r}")
 
 
 @bp.get("/webhooks/<endpoint_id>")
@@ -215,10 +274,12 @@ def update(endpoint_id: str) -> Response:
     status = body.get("status")
     if set(body) - {"status"} or status not in ("active", "paused"):
         raise _invalid("status", "`active` or `paused` (the only field that changes)")
+    if not _storable(endpoint_id):  # no webhook has such an id
+        raise _missing(endpoint_id)
     store = _store()
     done = store.resume(endpoint_id) if status == "active" else store.pause(endpoint_id, "paused")
     if not done:
-        raise ApiError(404, "not_found", f"no webhook {endpoint_id!r}")
+        raise _missing(endpoint_id)
     return jsonify(_shown(_endpoint(store, endpoint_id)))
 
 
@@ -226,8 +287,8 @@ def update(endpoint_id: str) -> Response:
 @require("admin")
 @_database
 def delete(endpoint_id: str) -> tuple[str, int]:
-    if not _store().delete(endpoint_id):
-        raise ApiError(404, "not_found", f"no webhook {endpoint_id!r}")
+    if not _storable(endpoint_id) or not _store().delete(endpoint_id):
+        raise _missing(endpoint_id)
     return "", 204
 
 
@@ -254,7 +315,7 @@ def _int(name: str, default: int | None, low: int, high: int) -> Any:
     raw = request.args.get(name)
     if raw is None:
         return default
-    if not raw.lstrip("-").isdigit() or not low <= int(raw) <= high:
+    if not INTEGER.fullmatch(raw) or not low <= int(raw) <= high:
         raise _invalid(name, f"an integer from {low} to {high}")
     return int(raw)
 
@@ -271,7 +332,8 @@ def replay(endpoint_id: str) -> tuple[Response, int]:
         body = json_object()
         ids = body.get("ids")
         if set(body) - {"ids"} or not (
-            ids is None or (isinstance(ids, list) and all(isinstance(i, str) for i in ids))
+            ids is None
+            or (isinstance(ids, list) and all(isinstance(i, str) and _storable(i) for i in ids))
         ):
             raise _invalid("ids", "a list of delivery ids (all failed ones when absent)")
     store = _store()
