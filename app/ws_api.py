@@ -49,6 +49,9 @@ def admit() -> None:
     with Retry-After when the process holds all it may: the client tries again later, or
     another API process); any other waits for its `auth` message in the pending pool (`503`
     when it is full, `429` when its address holds its share of it)."""
+    # No permessage-deflate (browsers always offer it): compressing costs ~90 KiB of zlib state
+    # per socket and a compression per message per subscriber, for JSON that is mostly small.
+    request.environ.pop("HTTP_SEC_WEBSOCKET_EXTENSIONS", None)
     admission: Admission = current_app.extensions["logfold.ws_admission"]
     address = request.remote_addr or "-"
     claims = None

@@ -18,6 +18,7 @@ The writer also sends heartbeats to sockets idle for `heartbeat_s`, and hands a 
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import json
 import logging
@@ -51,7 +52,7 @@ class Outlet:
         resubscribe: Callable[[str], None],
     ) -> None:
         self.writer, self.ws, self.client, self.resubscribe = writer, ws, client, resubscribe
-        self.sock: socket.socket = ws.sock
+        self.sock = _unwrapped(ws.sock)
         self.pending = bytearray()
         self.lock = threading.Lock()
         self.last_write = time.monotonic()
@@ -138,10 +139,28 @@ class Outlet:
             waiting = bool(self.pending) and not self.broken
         self.writer.want_writable(self, waiting)
 
+    def abandon(self) -> None:
+        """Give up on what is pending (the connection is being closed under it)."""
+        with self.lock:
+            self.broken = True
+            self.pending.clear()
+
     @property
     def done(self) -> bool:
         """Nothing more will be written: detached (or broken) with nothing left."""
         return self.broken or (self.detached and not self.pending)
+
+
+def _unwrapped(sock: Any) -> _socket.socket:
+    """The socket to write with, sends never waiting: a plain socket (sent with MSG_DONTWAIT),
+    or the C-level socket under a gevent one, whose own send would wait for room and so hold up
+    every other socket behind a slow one."""
+    inner = getattr(sock, "_sock", None)
+    if isinstance(inner, _socket.socket):
+        return inner
+    if not isinstance(sock, _socket.socket):
+        raise TypeError(f"cannot write to {type(sock).__name__} without waiting")
+    return sock
 
 
 class SocketProxy:
@@ -215,8 +234,9 @@ class Writer:
         the outlet is dropped."""
         outlet.detached = True
         self.wake(outlet)
-        if linger > 0:
-            outlet.finished.wait(linger)
+        if linger > 0 and not outlet.finished.wait(linger):
+            outlet.abandon()  # the client does not read: its socket is closed without it
+            self.wake(outlet)
 
     def wake(self, outlet: Outlet) -> None:
         with self.lock:
@@ -275,10 +295,8 @@ class Writer:
 
     def _pump(self, outlet: Outlet) -> None:
         try:
-            if not outlet.detached and not outlet.broken:
-                outlet.pump()
-            else:
-                outlet.flush()
+            if not outlet.broken:
+                outlet.pump()  # detached too: its last messages and its close frame go first
         except Exception:  # a bug: this connection is cut, the others go on
             log.exception("websocket writer: writing to a connection failed; it is closed")
             outlet.broken = True

@@ -13,6 +13,11 @@ of `cdc.customers` in the bench splits that time: the change's commit in Postgre
 `committed_at` header, i.e. when the projector made the row visible), when CDC produced the
 record (its CreateTime) and when an ordinary consumer could read it.
 
+idle-sockets: cdc and api processes; N subscribers (10,000 by default) of a filter no row
+matches, in a few client processes; the API's memory per socket, and the p99 of REST reads of
+one row beside them against without them (medians of 3). Run it with the serving model to
+measure: `LOGFOLD_API_WORKER=gevent .venv/bin/python bench/live.py idle-sockets`.
+
 fanout: cdc and api processes only (no events: the changes are plain SQL `UPDATE customers`,
 which isolates the push path). N websocket subscribers of `customers` in one or a few client
 processes (bench/wsfleet.py), each with a token of its own subject (`fan-<i>`: the API admits
@@ -430,16 +435,82 @@ def fanout(args: argparse.Namespace) -> dict[str, Any]:
             procs.stop()
 
 
+# -- idle sockets -----------------------------------------------------------------------------
+
+IDLE_SUBSCRIBE = {"op": "subscribe", "id": "s", "view": "customers", "filter": {"name": "idle"}}
+
+
+def idle_sockets(args: argparse.Namespace) -> dict[str, Any]:
+    """N subscribers that get nothing (a filter no row matches) on one API process: the
+    process's memory per socket, and REST's latency beside them against without them."""
+    stack = Stack()
+    with stack as settings:
+        env = process_env(settings, {})  # LOGFOLD_API_WORKER and co. from the bench's environment
+        procs = Processes(settings, stack.work, env)
+        fleets: list[Fleet] = []
+        try:
+            keys = _seed(settings, args.rows)
+            procs.cdc()
+            api_proc, url = procs.api()
+            probe = Watcher(url)
+            probe.subscribe("probe", "customers", {"name": "nobody"}, timeout=180)
+            probe.close()
+            without = [_rest_p99(url, keys, args.requests) for _ in range(args.repeats)]
+            rss_before = rss_mib(tree(api_proc.pid))
+            urls = [ws_url(url, q) for q in _subscriber_queries(args.clients)]
+            fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE)
+            rss_with = rss_mib(tree(api_proc.pid))
+            with_sockets = [_rest_p99(url, keys, args.requests) for _ in range(args.repeats)]
+            open_now = sum(f.ask("status")["snapshots"] - f.ask("status")["closed"] for f in fleets)
+            return {
+                "benchmark": "live-idle-sockets",
+                "process_settings": env,
+                "subscribers": args.clients,
+                "connected": connected,
+                "open_at_the_end": open_now,
+                "connect_and_snapshot_s": connect_s,
+                "api_rss_mib_without": rss_before,
+                "api_rss_mib_with": rss_with,
+                "kib_per_socket": (rss_with - rss_before) * 1024 / max(connected, 1),
+                "api_threads": threads(tree(api_proc.pid)),
+                "rest_p99_ms_without": statistics.median(without),
+                "rest_p99_ms_with": statistics.median(with_sockets),
+                "rest_p99_with/without": statistics.median(with_sockets)
+                / statistics.median(without),
+                "runs": {"without": without, "with": with_sockets},
+            }
+        finally:
+            for fleet in fleets:
+                fleet.close()
+            procs.stop()
+
+
+def _rest_p99(url: str, keys: list[str], requests_: int) -> float:
+    """p99 in ms of `requests_` reads of one row each, one after another."""
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {token('views:read')}"
+    times = []
+    for i in range(requests_):
+        t = time.perf_counter()
+        response = session.get(f"{url}/views/customers/{keys[i % len(keys)]}", timeout=30)
+        times.append(time.perf_counter() - t)
+        response.raise_for_status()
+    session.close()
+    return percentile(times, 0.99) * 1e3
+
+
 def _subscriber_queries(clients: int) -> list[str]:
     """Each subscriber's query string: a token of its own subject (`fan-<i>`), so that the
     API's per-subject websocket limit (`LOGFOLD_WS_MAX_PER_SUBJECT`) admits every one."""
     return [f"?token={token('views:read', subject=f'fan-{i}')}" for i in range(clients)]
 
 
-def _connect(urls: list[str], procs: int) -> tuple[list[Fleet], int, float]:
+def _connect(
+    urls: list[str], procs: int, subscribe: dict[str, Any] = SUBSCRIBE
+) -> tuple[list[Fleet], int, float]:
     """Fleets of `procs` client processes sharing `urls` (a subscriber each); once every
     subscriber has its snapshot: (the fleets, sockets opened, seconds it took)."""
-    fleets = [Fleet(urls[i::procs], SUBSCRIBE) for i in range(procs)]
+    fleets = [Fleet(urls[i::procs], subscribe) for i in range(procs)]
     t = time.monotonic()
     for fleet in fleets:
         fleet.control.send("connect")
@@ -739,8 +810,18 @@ def main() -> None:
         default=True,
         help="also measure bench/ws_ceiling.py with the same fleet and rates",
     )
+    i = sub.add_parser(
+        "idle-sockets",
+        help="many idle subscribers on one API process: memory per socket, REST p99 beside them",
+    )
+    i.add_argument("--clients", type=int, default=10_000)
+    i.add_argument("--client-procs", type=int, default=4, help="processes sharing the clients")
+    i.add_argument("--rows", type=int, default=100, help="rows of the view REST reads")
+    i.add_argument("--requests", type=int, default=500, help="REST reads per measure")
+    i.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    result = freshness(args) if args.which == "freshness" else fanout(args)
+    run = {"freshness": freshness, "fanout": fanout, "idle-sockets": idle_sockets}[args.which]
+    result = run(args)
     print(json.dumps(result, indent=2, default=str))
 
 

@@ -85,9 +85,14 @@ class Settings(BaseSettings):
     # to one core by Python's GIL; two served 17% more commands/s at saturation on 2 cores
     # (docs/benchmarks-journal.md), and the same at 50 commands/s.
     api_workers: int = Field(default=2, ge=1)
-    api_threads: int = Field(default=512, ge=8)  # per process; each open websocket holds one
-    # Threads of an API process that websockets never take: REST keeps answering however many
-    # sockets are open (at most api_threads - api_reserved_threads per process).
+    # How an API process serves: `gthread`, a thread per connection (an open websocket or
+    # server-sent events stream holds one), or `gevent`, a greenlet per connection (tens of
+    # thousands of sockets in one process; docs/benchmarks-journal.md, "serving many sockets").
+    api_worker: Literal["gthread", "gevent"] = "gthread"
+    api_threads: int = Field(default=512, ge=8)  # gthread: per process
+    api_connections: int = Field(default=12_000, ge=64)  # gevent: connections per process
+    # Threads (gevent: connections) of an API process that websockets never take: REST keeps
+    # answering however many sockets are open.
     api_reserved_threads: int = Field(default=64, ge=1)
     processors: int = Field(default=1, ge=1)
 
@@ -197,9 +202,11 @@ class Settings(BaseSettings):
 
     @property
     def ws_max_open(self) -> int:
-        """Authenticated websockets one API process holds at most: the threads it neither
-        reserves for REST nor keeps for sockets waiting for their `auth` message."""
-        return max(self.api_threads - self.api_reserved_threads - self.ws_max_pending, 1)
+        """Authenticated websockets one API process holds at most: the threads (gevent:
+        connections) it neither reserves for REST nor keeps for sockets waiting for their
+        `auth` message."""
+        held = self.api_connections if self.api_worker == "gevent" else self.api_threads
+        return max(held - self.api_reserved_threads - self.ws_max_pending, 1)
 
     @property
     def data_path(self) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -112,6 +113,9 @@ def api(host: str | None, port: int | None, workers: int | None) -> None:
     from stack.serve import ApiServer
 
     settings = _settings()
+    if settings.api_worker == "gevent" and "gevent.monkey" not in sys.modules:
+        # Start again in a process patched before anything imports Kafka or psycopg.
+        os.execv(sys.executable, [sys.executable, "-m", "stack.patched", *sys.argv[1:]])
     logs.configure(settings.log_level, settings.log_format)
     settings.api_host = host or settings.api_host
     settings.api_port = port or settings.api_port

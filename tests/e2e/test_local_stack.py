@@ -194,7 +194,7 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     assert not data_dir.exists()
 
 
-PREFIXED = re.compile(r"^(run|processor|projector|cdc|api) +\| ")
+PREFIXED = re.compile(r"^(run|processor|projector|cdc|webhooks|api) +\| ")
 
 
 def a_terminal_a_person_can_read(stack: RunningStack) -> None:
@@ -212,7 +212,7 @@ def a_terminal_a_person_can_read(stack: RunningStack) -> None:
     said = "".join(stopping)
     assert len(stopping) <= 10, said
     assert "Traceback" not in said and "\tat " not in said, said
-    for what in ("api", "cdc", "projector", "processor", "Postgres", "Kafka"):
+    for what in ("api", "webhooks", "cdc", "projector", "processor", "Postgres", "Kafka"):
         assert f"stopped {what}" in said, said
 
 

@@ -1,0 +1,100 @@
+"""`LOGFOLD_API_WORKER=gevent`: the same API from gunicorn's gevent worker, started by the real
+CLI (which starts itself again patched, so Kafka and psycopg wait cooperatively): REST reads,
+websocket snapshots and changes, server-sent events and long-polling all work, and a hundred
+open websockets cost the process no OS thread."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import requests
+
+from config.settings import Settings
+from stack.procs import wait_until
+from tests.changes import insert_customers
+from tests.sse import SseClient
+from tests.support import Processes, drop_cdc_slot, new_deployment, token
+from tests.wsclient import WsClient
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def api(base_settings: Settings, workdir: Path) -> Iterator[tuple[str, int, Settings]]:
+    deployment = new_deployment(base_settings)
+    logs = workdir / "gevent-api"
+    logs.mkdir(exist_ok=True)
+    # Heartbeats often: a stream whose client went is let go soon (and the API stops soon).
+    env = {"LOGFOLD_API_WORKER": "gevent", "LOGFOLD_WS_HEARTBEAT_S": "1"}
+    procs = Processes(deployment, logs, env)
+    try:
+        procs.cdc()
+        proc, url = procs.api()
+        yield url, proc.pid, deployment
+    finally:
+        procs.stop()
+        drop_cdc_slot(deployment)
+
+
+def _os_threads(pid: int) -> int:
+    """OS threads of the API's process tree (gunicorn's master and its worker)."""
+    total = 0
+    for p in [pid, *_children(pid)]:
+        total += len(list(Path(f"/proc/{p}/task").iterdir()))
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def test_rest_websockets_sse_and_long_polling_under_gevent(
+    api: tuple[str, int, Settings],
+) -> None:
+    url, pid, deployment = api
+    group = f"group-{uuid.uuid4().hex[:8]}"
+    keys = [f"{group}-{i}" for i in range(2)]
+    insert_customers(deployment, keys, group)
+    auth = {"Authorization": f"Bearer {token('views:read')}"}
+    row = requests.get(f"{url}/views/customers/{keys[0]}", headers=auth, timeout=30)
+    assert row.status_code == 200 and row.json()["name"] == group
+
+    ws_url = url.replace("http://", "ws://") + "/ws"
+    threads_before = _os_threads(pid)
+    clients = [WsClient(ws_url, token("views:read", subject=f"g-{i}")) for i in range(100)]
+    for client in clients:
+        client.subscribe("s", "customers", {"name": group})
+    for client in clients:
+        client.wait_for(lambda c=client: bool(c.of("s", "snapshot")), "every snapshot")
+    assert _os_threads(pid) <= threads_before + 2  # greenlets, not threads
+    stream = SseClient(url, "customers", token("views:read"), {"name": group})
+    assert stream.status == 200
+    stream.wait_for(lambda: bool(stream.of("snapshot")), "the stream's snapshot")
+    start = requests.get(
+        f"{url}/views/customers/changes", params={"name": group}, headers=auth, timeout=30
+    ).json()["next"]
+
+    with psycopg.connect(deployment.database(), autocommit=True) as conn:
+        conn.execute("UPDATE customers SET version = 1 WHERE customer_id = %s", (keys[0],))
+    for client in clients:
+        client.wait_for(lambda c=client: bool(c.of("s", "change")), "the change on every socket")
+        assert client.of("s", "change")[0]["row"]["version"] == 1
+    stream.wait_for(lambda: bool(stream.of("change")), "the change on the stream")
+    page = requests.get(
+        f"{url}/views/customers/changes",
+        params={"name": group, "since": start, "wait": 10},
+        headers=auth,
+        timeout=30,
+    ).json()
+    assert [c["row"]["version"] for c in page["changes"]] == [1]
+    for client in clients:
+        client.close()
+    stream.close()
+    health = requests.get(f"{url}/health/live", timeout=10)
+    assert health.status_code == 200
+    wait_until(lambda: _os_threads(pid) <= threads_before + 2, 30, "no thread left behind")
