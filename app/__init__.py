@@ -64,7 +64,12 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     )
     app.extensions["logfold.metrics"] = Metrics()
     app.extensions["logfold.openapi"] = build_spec()
-    app.config["SOCK_SERVER_OPTIONS"] = {"max_message_size": settings.ws_max_message_bytes}
+    app.config["SOCK_SERVER_OPTIONS"] = {
+        "max_message_size": settings.ws_max_message_bytes,
+        # Each connection's handler reads its own socket: no reader thread, nothing to signal.
+        "thread_class": ws_api.Unthreaded,
+        "event_class": ws_api.Unsignalled,
+    }
     app.extensions["logfold.ws_writer"] = ws_writer.Writer(settings.ws_heartbeat_s)
     app.extensions["logfold.ws_admission"] = ws_admission.Admission(
         settings.ws_max_open,

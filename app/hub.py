@@ -130,9 +130,10 @@ class Client:
     def __init__(self, buffer: int, buffer_bytes: int = 16 * 1024 * 1024) -> None:
         self.buffer, self.buffer_bytes = buffer, buffer_bytes
         # Messages to send: dicts, or texts already encoded (changes, shared by subscribers).
-        self.outbox: deque[Message] = deque()
-        self.weights: deque[int] = deque()  # bytes of each queued message, roughly
-        self.queued_bytes = 0
+        # (A list: it is only ever appended to and taken whole; an empty deque would cost a
+        # block of 64 slots for each of thousands of idle sockets.)
+        self.outbox: list[Message] = []
+        self.queued_bytes = 0  # what the queued messages weigh, roughly
         self.cond = threading.Condition()
         self.close_code: int | None = None
         self.close_reason = ""
@@ -166,13 +167,11 @@ class Client:
     def _queue(self, message: Message, sub_id: str | None, weight: int) -> None:
         """Append `message` (and, past half of a bound, the `lagging` warning). Holds cond."""
         self.outbox.append(message)
-        self.weights.append(weight)
         self.queued_bytes += weight
         half = len(self.outbox) >= self.buffer // 2 or self.queued_bytes >= self.buffer_bytes // 2
         if not self.warned and half:
             self.warned = True
             self.outbox.append({"type": "lagging", "id": sub_id, "behind": len(self.outbox)})
-            self.weights.append(SMALL_MESSAGE_BYTES)
             self.queued_bytes += SMALL_MESSAGE_BYTES
         self.peak = max(self.peak, len(self.outbox))
         self.cond.notify()
@@ -191,9 +190,8 @@ class Client:
         self.closing_since = time.monotonic()
         # What it could not read is dropped (it resumes with `since`), but not the warning.
         warnings = [m for m in self.outbox if isinstance(m, dict) and m["type"] == "lagging"]
-        self.outbox = deque(warnings[:1] + ([farewell] if farewell else []))
-        self.weights = deque([SMALL_MESSAGE_BYTES] * len(self.outbox))
-        self.queued_bytes = sum(self.weights)
+        self.outbox = [*warnings[:1], *([farewell] if farewell else [])]
+        self.queued_bytes = SMALL_MESSAGE_BYTES * len(self.outbox)
         self.cond.notify()
 
     def take(self, timeout: float) -> list[Message] | None:
@@ -204,9 +202,7 @@ class Client:
                 self.cond.wait(timeout)
             if self.close_code is not None and not self.outbox:
                 return None
-            taken = list(self.outbox)
-            self.outbox.clear()
-            self.weights.clear()
+            taken, self.outbox = self.outbox, []
             self.queued_bytes = 0
             self.warned = False  # caught up: falling behind again earns a new warning
             return taken

@@ -1,22 +1,29 @@
 """`/ws`: subscribe to views and receive their changes (protocol in docs/api.md, design in
 app/hub.py).
 
-Each connection's handler reads the client's messages; what the server sends goes through the
-process's one websocket writer (app/ws_writer.py), which drains every client's outbox into its
-socket and sends heartbeats when idle."""
+Each connection's handler reads the client's messages from its socket itself (`receive`); what
+the server sends goes through the process's one websocket writer (app/ws_writer.py), which
+drains every client's outbox into its socket and sends heartbeats when idle. So an open socket
+costs one thread (a greenlet, under gevent) and no more: the websocket library would start a
+reader thread of its own per connection (`Unthreaded` keeps it from doing so)."""
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import json
 import logging
+import select
 import socket
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Blueprint, current_app, g, request
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed  # type: ignore[import-untyped]
+from wsproto.connection import ConnectionState
+from wsproto.utilities import LocalProtocolError
 
 from app.auth import scopes, verify
 from app.errors import ApiError, too_many, unavailable
@@ -25,7 +32,7 @@ from app.read_model import ReadModel
 from app.subscribing import Reader, Subscriber, parse_since
 from app.ws_admission import Admission, Ticket, TokenBucket
 from app.ws_messages import Problem, Subscribe, Unsubscribe, parse
-from app.ws_writer import Writer
+from app.ws_writer import SocketProxy, Writer
 from config.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -98,7 +105,7 @@ def websocket(ws: Any) -> None:
             app.extensions["logfold.ws_admission"],
             g.ws_ticket,
             app.extensions["logfold.ws_writer"],
-        ).serve(request.args.get("token"), g.get("ws_claims"))
+        ).serve(request.args.get("token"), g.pop("ws_claims", None))
     finally:
         release(ws)
 
@@ -113,11 +120,113 @@ def release(ws: Any, linger: float = 1.0) -> None:
     if ws.connected:
         with contextlib.suppress(ConnectionClosed, OSError):
             ws.close()
-    ws.thread.join(timeout=linger)  # its reader ends when the client answers or hangs up
+    deadline = time.monotonic() + linger
+    while ws.ws.state != ConnectionState.CLOSED and _read(ws, deadline):
+        pass  # until the client answers the close, hangs up, or `linger` is over
     with contextlib.suppress(OSError):
         ws.sock.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(OSError):
         ws.sock.close()
+
+
+class _HandshakeDone:
+    """Stands for wsproto's handshake once it is over: the connection asks it only for events,
+    and it has none left."""
+
+    def events(self) -> Iterator[Any]:
+        return iter(())
+
+
+def _forget_handshake(ws: Any) -> None:
+    """Let go of the HTTP/1.1 handshake once it is done: wsproto keeps it (an h11 connection,
+    its buffers and event queue: ~3 KiB) for the connection's life, for every idle socket."""
+    if ws.ws.connection is not None:
+        ws.ws.handshake = _HandshakeDone()
+
+
+class Unthreaded:
+    """The websocket library's `thread_class`: the reader it would start for each connection
+    is never started; the connection's handler reads instead (`receive`)."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        self.name = "websocket"
+
+    def start(self) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class Unsignalled:
+    """The library's `event_class`: its event told a waiting `receive` of the reader's news;
+    with no reader nothing waits on it (and an event costs ~1 KiB for every idle socket)."""
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+def receive(ws: Any, timeout: float | None) -> str | bytes | None:
+    """The client's next message, or None once `timeout` seconds have passed without one; the
+    library answers pings and closes meanwhile. Raises ConnectionClosed once the connection is
+    closed (by the client, the server, or the network)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not ws.input_buffer:
+        if not ws.connected:
+            raise ConnectionClosed(ws.close_reason, ws.close_message)
+        if not _read(ws, deadline):
+            return None
+    message: str | bytes = ws.input_buffer.pop(0)
+    return message
+
+
+def _recv(sock: Any, size: int, timeout: float | None) -> bytes | None:
+    """What `sock` has (up to `size` bytes; b"" once the peer closed), or None when nothing
+    came within `timeout` seconds. A gevent socket waits with its own timeout (the writer sends
+    through its C-level socket, which has none); a plain socket is polled first, as a timeout of
+    its own would also hold up the writer's sends (CPython waits for room before each send on a
+    socket with a timeout, MSG_DONTWAIT or not)."""
+    if isinstance(sock, SocketProxy):
+        sock = sock.wrapped
+    if isinstance(sock, _socket.socket):  # a plain socket (gevent's is not one)
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        if not poller.poll(None if timeout is None else timeout * 1000):
+            return None
+        return sock.recv(size)
+    sock.settimeout(timeout)
+    try:
+        data: bytes = sock.recv(size)
+    except TimeoutError:
+        return None
+    return data
+
+
+def _read(ws: Any, deadline: float | None) -> bool:
+    """Read the socket once and let the library handle what came (messages to its input
+    buffer; pongs, close answers and too-large messages sent back through the socket). False
+    when `deadline` passed first or the socket is gone."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        return False
+    try:
+        data = _recv(ws.sock, ws.receive_bytes, left)
+    except OSError:
+        data = b""
+    if data is None:
+        return False
+    if not data:
+        ws.connected = False
+        return False
+    try:
+        ws.ws.receive_data(data)
+        ws.connected = ws._handle_events() and ws.connected
+    except LocalProtocolError:
+        ws.connected = False
+    return True
 
 
 def _dumps(message: dict[str, Any]) -> str:
@@ -152,12 +261,14 @@ class Connection:
         """`claims`: the handshake's token, verified at admission (the socket holds an admitted
         place); without them it holds a pending one until its `auth` message is verified."""
         self.hub.start()
+        _forget_handshake(self.ws)
         with contextlib.suppress(AttributeError, OSError):
             self.ws.sock.setsockopt(
                 socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.ws_socket_buffer_bytes
             )
         if not self._authenticate(token, claims):
             return
+        del token, claims  # what the connection keeps of them is its own (this frame lives on)
         assert self.subject is not None
         if self.ticket.pool == "pending" and not self.admission.promote(self.ticket):
             self._refuse(
@@ -189,7 +300,7 @@ class Connection:
                 if left <= 0:  # expired while open
                     self.client.close(UNAUTHORIZED, "the token has expired", EXPIRED)
                     break
-                raw = self.ws.receive(timeout=left)
+                raw = receive(self.ws, left)
                 if raw is None or self.client.close_code is not None:
                     continue
                 self._handle(raw)
@@ -207,7 +318,7 @@ class Connection:
             return self._accept(claims)
         if token is None:
             try:
-                raw = self.ws.receive(timeout=self.settings.ws_auth_timeout_s)
+                raw = receive(self.ws, self.settings.ws_auth_timeout_s)
             except ConnectionClosed:
                 return False
             try:

@@ -10,16 +10,21 @@ when it can take more (a selector says when); meanwhile its outbox fills, and th
 slow-consumer policy applies as before. What falls behind costs its own outbox, never the writer.
 
 Every byte sent on a registered socket goes through its `Outlet`, in order: the frames of
-messages, and the control frames (pong, close) the websocket library sends from its reader
-thread, which see the socket through `SocketProxy`. Two writers never interleave on one socket.
+messages, and the control frames (pong, close) the websocket library sends while the
+connection's handler reads, which see the socket through `SocketProxy`. Two writers never
+interleave on one socket.
 
-The writer also sends heartbeats to sockets idle for `heartbeat_s`, and hands a subscription's
-`resync` (a new snapshot: a database read) to a small pool, never doing it on its own thread."""
+The writer also sends heartbeats to sockets idle for `heartbeat_s` (one frame, the same bytes
+for every socket), writes in slices (yielding between them, so that requests are served during
+a fan-out to thousands of sockets), and hands a subscription's `resync` (a new snapshot: a
+database read) to a small pool, never doing it on its own thread."""
 
 from __future__ import annotations
 
 import _socket
 import contextlib
+import heapq
+import itertools
 import json
 import logging
 import selectors
@@ -32,12 +37,24 @@ from typing import Any
 
 from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, TextMessage
+from wsproto.frame_protocol import FrameProtocol
 
 from app.hub import Client
 
 log = logging.getLogger(__name__)
 
 SWEEP_S = 1.0  # how often idle sockets are looked at (heartbeats)
+# Sockets written between two yields of the writer's thread (to the gevent worker's other
+# greenlets, or the GIL): a change to ten thousand subscribers is written in slices, and a REST
+# request in between waits for one slice (about a millisecond), not the whole fan-out. The
+# yield is a sleep, however short: gevent's `sleep(0)` may resume the writer before the loop
+# polls for I/O, so a request that has just arrived would still wait.
+SLICE = 64
+YIELD_S = 1e-6
+# A server's frames are not masked: a heartbeat is the same bytes on every socket.
+HEARTBEAT = bytes(
+    FrameProtocol(client=False, extensions=[]).send_data('{"type":"heartbeat"}', fin=True)
+)
 
 
 class Outlet:
@@ -68,6 +85,14 @@ class Outlet:
             if not self.closing:
                 self.pending += data
         self.writer.wake(self)
+
+    def beat(self) -> None:
+        """A heartbeat, written at once (by the writer, which calls this)."""
+        with self.lock:
+            if self.closing:
+                return
+            self.pending += HEARTBEAT
+        self.flush()
 
     def pump(self) -> None:
         """Frame what the client has queued and write as much as the socket takes; once the
@@ -170,6 +195,11 @@ class SocketProxy:
     def __init__(self, sock: socket.socket, outlet: Outlet) -> None:
         self._sock, self._outlet = sock, outlet
 
+    @property
+    def wrapped(self) -> socket.socket:
+        """The socket itself (a plain one, or gevent's)."""
+        return self._sock
+
     def send(self, data: bytes) -> int:
         self._outlet.enqueue(bytes(data))
         return len(data)
@@ -196,6 +226,11 @@ class Writer:
         self._wake_w.setblocking(False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._signalled = False
+        # When each outlet is next looked at for a heartbeat, soonest first: a sweep looks at
+        # the sockets due, not at every socket (ten thousand idle ones, every second, took a
+        # twentieth of the process).
+        self._due: list[tuple[float, int, Outlet]] = []
+        self._order = itertools.count()  # (ties: never compare outlets)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._started = threading.Lock()
@@ -225,6 +260,7 @@ class Writer:
         with self.lock:
             self.outlets.add(outlet)
             self.dirty.add(outlet)  # what was queued before it was registered
+            self._schedule(outlet, time.monotonic() + self.heartbeat_s)
         self._signal()
         return outlet
 
@@ -283,11 +319,11 @@ class Writer:
             with self.lock:
                 self._signalled = False
                 dirty, self.dirty = self.dirty, set()
-            for outlet in dirty:
+            due = [*dirty, *(o for o in writable if o not in dirty)]
+            for pumped, outlet in enumerate(due, start=1):
                 self._pump(outlet)
-            for outlet in writable:
-                if outlet not in dirty:
-                    self._pump(outlet)
+                if pumped % SLICE == 0:
+                    time.sleep(YIELD_S)  # let the process's requests in between slices
             now = time.monotonic()
             if now >= next_sweep:
                 next_sweep = now + SWEEP_S
@@ -307,20 +343,35 @@ class Writer:
                 self.outlets.discard(outlet)
             outlet.finished.set()
 
+    def _schedule(self, outlet: Outlet, when: float) -> None:
+        """Look at `outlet` for a heartbeat at `when`. Holds the lock."""
+        heapq.heappush(self._due, (when, next(self._order), outlet))
+
     def _sweep(self, now: float) -> None:
-        """Heartbeats for sockets idle for `heartbeat_s`; outlets that are done go."""
+        """Heartbeats for the sockets idle for `heartbeat_s`; outlets that are done go."""
+        due: list[Outlet] = []
         with self.lock:
-            outlets = list(self.outlets)
-        for outlet in outlets:
+            while self._due and self._due[0][0] <= now:
+                due.append(heapq.heappop(self._due)[2])
+        later = []
+        for seen, outlet in enumerate(due, start=1):
+            if seen % SLICE == 0:
+                time.sleep(YIELD_S)  # (thousands due at once: in slices, as `_run` writes)
+            if outlet not in self.outlets:  # gone since
+                continue
             if outlet.done:
-                self._pump(outlet)
-            elif (
-                not outlet.closing
-                and outlet.ws.connected
-                and now - outlet.last_write >= self.heartbeat_s
-            ):
-                outlet.last_write = now
-                outlet.client.offer({"type": "heartbeat"})
+                self._pump(outlet)  # (it goes)
+                continue
+            if now - outlet.last_write >= self.heartbeat_s:
+                if outlet.ws.connected:
+                    outlet.beat()
+                later.append((outlet, now + self.heartbeat_s))
+            else:  # written to since: due a heartbeat_s after that
+                later.append((outlet, outlet.last_write + self.heartbeat_s))
+        with self.lock:
+            for outlet, when in later:
+                if outlet in self.outlets:
+                    self._schedule(outlet, when)
 
     def _forget_closed(self) -> None:
         with self.lock:

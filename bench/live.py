@@ -15,8 +15,8 @@ record (its CreateTime) and when an ordinary consumer could read it.
 
 idle-sockets: cdc and api processes; N subscribers (10,000 by default) of a filter no row
 matches, in a few client processes; the API's memory per socket, and the p99 of REST reads of
-one row beside them against without them (medians of 3). Run it with the serving model to
-measure: `LOGFOLD_API_WORKER=gevent .venv/bin/python bench/live.py idle-sockets`.
+one row beside them against without them (medians of 3 rounds, each with a fresh API process).
+It measures the serving model `make run` uses; another with e.g. `LOGFOLD_API_WORKER=gthread`.
 
 fanout: cdc and api processes only (no events: the changes are plain SQL `UPDATE customers`,
 which isolates the push path). N websocket subscribers of `customers` in one or a few client
@@ -76,7 +76,7 @@ from bench.ws_ceiling import Ceiling, change_message
 from bench.wsfleet import Fleet
 from config.settings import Settings, kafka_fetch_bounds
 from config.topics import Topics
-from stack.procs import wait_until
+from stack.procs import stop_process, wait_until
 from tests.support import HttpApi, Processes, child_env, token
 
 
@@ -442,47 +442,67 @@ IDLE_SUBSCRIBE = {"op": "subscribe", "id": "s", "view": "customers", "filter": {
 
 def idle_sockets(args: argparse.Namespace) -> dict[str, Any]:
     """N subscribers that get nothing (a filter no row matches) on one API process: the
-    process's memory per socket, and REST's latency beside them against without them."""
+    process's memory per socket, and REST's latency beside them against without them. Each
+    round starts a fresh API process (memory freed by a round's sockets would hide the next
+    one's); the figures are the rounds' medians."""
     stack = Stack()
     with stack as settings:
         env = process_env(settings, {})  # LOGFOLD_API_WORKER and co. from the bench's environment
         procs = Processes(settings, stack.work, env)
-        fleets: list[Fleet] = []
         try:
             keys = _seed(settings, args.rows)
             procs.cdc()
-            api_proc, url = procs.api()
-            probe = Watcher(url)
-            probe.subscribe("probe", "customers", {"name": "nobody"}, timeout=180)
-            probe.close()
-            without = [_rest_p99(url, keys, args.requests) for _ in range(args.repeats)]
-            rss_before = rss_mib(tree(api_proc.pid))
-            urls = [ws_url(url, q) for q in _subscriber_queries(args.clients)]
-            fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE)
-            rss_with = rss_mib(tree(api_proc.pid))
-            with_sockets = [_rest_p99(url, keys, args.requests) for _ in range(args.repeats)]
-            open_now = sum(f.ask("status")["snapshots"] - f.ask("status")["closed"] for f in fleets)
-            return {
-                "benchmark": "live-idle-sockets",
-                "process_settings": env,
-                "subscribers": args.clients,
-                "connected": connected,
-                "open_at_the_end": open_now,
-                "connect_and_snapshot_s": connect_s,
-                "api_rss_mib_without": rss_before,
-                "api_rss_mib_with": rss_with,
-                "kib_per_socket": (rss_with - rss_before) * 1024 / max(connected, 1),
-                "api_threads": threads(tree(api_proc.pid)),
-                "rest_p99_ms_without": statistics.median(without),
-                "rest_p99_ms_with": statistics.median(with_sockets),
-                "rest_p99_with/without": statistics.median(with_sockets)
-                / statistics.median(without),
-                "runs": {"without": without, "with": with_sockets},
-            }
+            rounds = [_idle_round(procs, keys, args) for _ in tqdm(range(args.repeats), "rounds")]
         finally:
-            for fleet in fleets:
-                fleet.close()
             procs.stop()
+    without = statistics.median(r["rest_p99_ms_without"] for r in rounds)
+    with_sockets = statistics.median(r["rest_p99_ms_with"] for r in rounds)
+    return {
+        "benchmark": "live-idle-sockets",
+        "process_settings": env,
+        "subscribers": args.clients,
+        "connected": min(r["connected"] for r in rounds),
+        "open_at_the_end": min(r["open_at_the_end"] for r in rounds),
+        "kib_per_socket": statistics.median(r["kib_per_socket"] for r in rounds),
+        "api_threads": max(r["api_threads"] for r in rounds),
+        "rest_p99_ms_without": without,
+        "rest_p99_ms_with": with_sockets,
+        "rest_p99_with/without": with_sockets / without,
+        "rounds": rounds,
+    }
+
+
+def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh API process: REST's p99 alone, then with `args.clients` idle subscribers."""
+    api_proc, url = procs.api()
+    fleets: list[Fleet] = []
+    try:
+        probe = Watcher(url)
+        probe.subscribe("probe", "customers", {"name": "nobody"}, timeout=180)
+        probe.close()
+        without = _rest_p99(url, keys, args.requests)
+        rss_before = rss_mib(tree(api_proc.pid))
+        urls = [ws_url(url, q) for q in _subscriber_queries(args.clients)]
+        fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE)
+        rss_with = rss_mib(tree(api_proc.pid))
+        with_sockets = _rest_p99(url, keys, args.requests)
+        open_now = sum(f.ask("status")["snapshots"] - f.ask("status")["closed"] for f in fleets)
+        return {
+            "connected": connected,
+            "open_at_the_end": open_now,
+            "connect_and_snapshot_s": connect_s,
+            "api_rss_mib_without": rss_before,
+            "api_rss_mib_with": rss_with,
+            "kib_per_socket": (rss_with - rss_before) * 1024 / max(connected, 1),
+            "api_threads": threads(tree(api_proc.pid)),
+            "rest_p99_ms_without": without,
+            "rest_p99_ms_with": with_sockets,
+        }
+    finally:
+        for fleet in fleets:
+            fleet.close()
+        procs.procs.remove(api_proc)
+        stop_process(api_proc)
 
 
 def _rest_p99(url: str, keys: list[str], requests_: int) -> float:
@@ -817,8 +837,8 @@ def main() -> None:
     i.add_argument("--clients", type=int, default=10_000)
     i.add_argument("--client-procs", type=int, default=4, help="processes sharing the clients")
     i.add_argument("--rows", type=int, default=100, help="rows of the view REST reads")
-    i.add_argument("--requests", type=int, default=500, help="REST reads per measure")
-    i.add_argument("--repeats", type=int, default=3)
+    i.add_argument("--requests", type=int, default=1000, help="REST reads per measure")
+    i.add_argument("--repeats", type=int, default=3, help="rounds, each with a fresh API process")
     args = parser.parse_args()
     run = {"freshness": freshness, "fanout": fanout, "idle-sockets": idle_sockets}[args.which]
     result = run(args)

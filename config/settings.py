@@ -85,10 +85,11 @@ class Settings(BaseSettings):
     # to one core by Python's GIL; two served 17% more commands/s at saturation on 2 cores
     # (docs/benchmarks-journal.md), and the same at 50 commands/s.
     api_workers: int = Field(default=2, ge=1)
-    # How an API process serves: `gthread`, a thread per connection (an open websocket or
-    # server-sent events stream holds one), or `gevent`, a greenlet per connection (tens of
-    # thousands of sockets in one process; docs/benchmarks-journal.md, "serving many sockets").
-    api_worker: Literal["gthread", "gevent"] = "gthread"
+    # How an API process serves: `gevent`, a greenlet per connection (tens of thousands of
+    # sockets in one process, ~30 KiB each; docs/benchmarks-journal.md, "serving many
+    # sockets"), or `gthread`, an OS thread per connection (an open websocket or server-sent
+    # events stream holds one, up to `api_threads`).
+    api_worker: Literal["gevent", "gthread"] = "gevent"
     api_threads: int = Field(default=512, ge=8)  # gthread: per process
     api_connections: int = Field(default=12_000, ge=64)  # gevent: connections per process
     # Threads (gevent: connections) of an API process that websockets never take: REST keeps

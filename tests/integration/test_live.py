@@ -298,9 +298,15 @@ def test_a_socket_that_never_authenticates_is_closed_after_a_short_deadline(
 
 
 def test_websockets_per_process_and_per_subject_are_limited(serve: Serve) -> None:
-    # 3 sockets at most (9 threads, 5 reserved for REST, 1 for a socket still to authenticate),
-    # 2 per token subject.
-    url, _ = serve(api_threads=9, api_reserved_threads=5, ws_max_pending=1, ws_max_per_subject=2)
+    # 3 sockets at most (9 threads of a threaded server, 5 reserved for REST, 1 for a socket
+    # still to authenticate), 2 per token subject.
+    url, _ = serve(
+        api_worker="gthread",
+        api_threads=9,
+        api_reserved_threads=5,
+        ws_max_pending=1,
+        ws_max_per_subject=2,
+    )
     ann = [WsClient(url, token("views:read", subject="ann")) for _ in range(2)]
     for i, client in enumerate(ann):
         client.subscribe("s", "books")

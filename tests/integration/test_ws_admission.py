@@ -21,10 +21,12 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def settings(deployment: Settings) -> Settings:
-    # 24 admitted places (40 threads, 8 reserved for REST, 8 for sockets still to authenticate),
-    # and a long wait for the `auth` message, so the flood holds its sockets for the test.
+    # 24 admitted places (40 threads of a threaded server, 8 reserved for REST, 8 for sockets
+    # still to authenticate), and a long wait for the `auth` message, so the flood holds its
+    # sockets for the test.
     return deployment.model_copy(
         update={
+            "api_worker": "gthread",
             "api_threads": 40,
             "api_reserved_threads": 8,
             "ws_max_pending": 8,

@@ -1,8 +1,9 @@
-"""Websockets cannot starve the API: an API process (gunicorn, as deployed) with 1,000 idle
-websockets open, or 600 that never authenticate, still answers REST as it did before they came.
-Each websocket holds a server thread; the process admits at most `api_threads -
-api_reserved_threads` of them and refuses the rest at once (close 1013), so the reserved threads
-always serve plain requests."""
+"""Websockets cannot starve the API: an API process (gunicorn, as deployed, under either worker)
+with 1,000 idle websockets open, or 600 that never authenticate, still answers REST as it did
+before they came. Each websocket holds a connection of the process (a greenlet under gevent, a
+server thread under gthread); the process admits at most its connections (threads) less those
+reserved for REST and for sockets still to authenticate, and refuses the rest at once (`503`),
+so the reserved ones always serve plain requests."""
 
 from __future__ import annotations
 
@@ -23,19 +24,29 @@ from tests.wsclient import WsClient
 
 pytestmark = pytest.mark.integration
 
+# Fewer places than the test opens sockets, so that it also sees the rest refused.
+WORKERS = {
+    "gevent": {"LOGFOLD_API_WORKER": "gevent", "LOGFOLD_API_CONNECTIONS": "600"},
+    "gthread": {"LOGFOLD_API_WORKER": "gthread"},
+}
 
-@pytest.fixture(scope="module")
-def api(base_settings: Settings, workdir: Path) -> Iterator[str]:
+
+@pytest.fixture(scope="module", params=sorted(WORKERS))
+def api(
+    request: pytest.FixtureRequest, base_settings: Settings, workdir: Path
+) -> Iterator[tuple[str, Settings]]:
+    """An API process of the worker `request.param`; with the settings it runs with."""
     deployment = new_deployment(base_settings)
-    logs = workdir / "ws-starvation"
+    logs = workdir / f"ws-starvation-{request.param}"
     logs.mkdir(exist_ok=True)
-    procs = Processes(deployment, logs)
+    env = WORKERS[request.param]
+    procs = Processes(deployment, logs, env)
     try:
         procs.processor()
         procs.cdc()
         _, url = procs.api()
         procs.wait_processing(url, 1)
-        yield url
+        yield url, Settings(**{k.removeprefix("LOGFOLD_").lower(): v for k, v in env.items()})
     finally:
         procs.stop()
         drop_cdc_slot(deployment)
@@ -98,18 +109,19 @@ def close_all(sockets: list[socket.socket]) -> None:
 
 @pytest.mark.parametrize(("count", "authenticated"), [(1000, True), (600, False)])
 def test_rest_answers_as_usual_with_many_websockets_open(
-    api: str, count: int, authenticated: bool
+    api: tuple[str, Settings], count: int, authenticated: bool
 ) -> None:
-    before = rest_latencies(api)
+    url, settings = api
+    before = rest_latencies(url)
     sockets: list[socket.socket] = []
     try:
-        sockets, accepted = open_sockets(api, count, authenticated)
-        during = rest_latencies(api)
+        sockets, accepted = open_sockets(url, count, authenticated)
+        during = rest_latencies(url)
     finally:
         close_all(sockets)
-    assert 0 < accepted <= Settings().ws_max_open < count  # the rest were refused at once
+    assert 0 < accepted <= settings.ws_max_open < count  # the rest were refused at once
     if not authenticated:  # they wait apart, a few per address, never in the admitted places
-        assert accepted <= Settings().ws_max_pending_per_address
+        assert accepted <= settings.ws_max_pending_per_address
     usual, now = statistics.median(before), statistics.median(during)
     print(f"{count} websockets: REST p50 {usual * 1e3:.0f} ms before, {now * 1e3:.0f} ms with")
     # Normal latency: on a shared 2-core machine, within a few times the usual median, never
@@ -118,7 +130,7 @@ def test_rest_answers_as_usual_with_many_websockets_open(
     assert max(during) < 2.0, during
 
     # Once they are gone, their places are free again.
-    ws_url = api.replace("http://", "ws://") + "/ws"
+    ws_url = url.replace("http://", "ws://") + "/ws"
 
     def admitted() -> bool:
         client = WsClient(ws_url, token("views:read"))

@@ -112,3 +112,20 @@ def test_a_reader_that_does_not_read_fills_its_outbox_not_the_writer(
     assert kinds[-1] == "lagging" and kinds.count("lagging") == 1
     positions = [int(m["position"].split(".")[0]) for m in peer.texts() if m["type"] == "change"]
     assert positions == list(range(len(positions)))  # in order, none twice
+
+
+def test_an_idle_socket_gets_heartbeats_then_its_messages() -> None:
+    writer = Writer(heartbeat_s=0.2)
+    server, other = socket.socketpair()
+    try:
+        client, peer = Client(100), Peer(other)
+        writer.attach(FakeWs(server), client, lambda _: None)
+        wait_until(lambda: peer.read() or len(peer.texts()) >= 2, 10, "two heartbeats", interval=0)
+        assert peer.texts()[:2] == [{"type": "heartbeat"}] * 2
+        client.offer({"type": "subscribed", "id": "s"})
+        subscribed = {"type": "subscribed", "id": "s"}
+        wait_until(lambda: peer.read() or subscribed in peer.texts(), 10, "the message")
+    finally:
+        writer.stop()
+        server.close()
+        other.close()
