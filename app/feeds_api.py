@@ -31,7 +31,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from app.auth import require, scopes
 from app.errors import too_many, unavailable
-from app.hub import SLOW_CLOSE, Client, Hub, Subscription, Unservable
+from app.hub import SLOW_CLOSE, Client, Hub, Subscription, Unservable, compact
 from app.read_model import ReadModel
 from app.subscribing import Reader, Subscriber, http_error, parse_since
 from app.views_api import query_number
@@ -207,19 +207,15 @@ class Stream:
                     else:
                         kind = str(message["type"])
                         event_id = message.get("position") if kind == "snapshot" else None
-                        out.append(sse(kind, _dumps(message), event_id))
+                        out.append(sse(kind, compact(message), event_id))
                 yield "".join(out)
         finally:
             self.client.close(1000, "bye")
 
     def _error(self, code: str, message: str) -> str:
         return sse(
-            "error", _dumps({"type": "error", "id": STREAM_ID, "code": code, "message": message})
+            "error", compact({"type": "error", "id": STREAM_ID, "code": code, "message": message})
         )
-
-
-def _dumps(message: dict[str, Any]) -> str:
-    return json.dumps(message, separators=(",", ":"))
 
 
 # -- long-polling ---------------------------------------------------------------------------
@@ -282,4 +278,4 @@ def _page(
 
 
 def _json(body: dict[str, Any]) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), mimetype="application/json")
+    return Response(compact(body), mimetype="application/json")

@@ -80,7 +80,7 @@ class Subscription:
         return change.position <= self.after
 
     def __post_init__(self) -> None:
-        self.id_json = _dumps(self.id)  # spliced into every change message it is sent
+        self.id_json = compact(self.id)  # spliced into every change message it is sent
 
     def op_for(self, change: Change) -> str | None:
         """`upsert`, `delete`, or None when the change does not concern this subscription."""
@@ -116,11 +116,12 @@ class Encoded:
             body = {"op": op, "key": c.key, "row": c.row if op == "upsert" else None}
             # the position last: clients may find it without decoding the rest
             body["position"] = str(c.position)
-            tail = self._tails[op] = "," + _dumps(body)[1:]
+            tail = self._tails[op] = "," + compact(body)[1:]
         return self.HEAD + id_json + tail
 
 
-def _dumps(value: Any) -> str:
+def compact(value: Any) -> str:
+    """JSON as every push message is sent: without spaces."""
     return json.dumps(value, separators=(",", ":"))
 
 

@@ -7,7 +7,6 @@ from a position the hub's history still holds (a `resync` otherwise). What goes 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from app.auth import narrowed, row_scope
 from app.errors import ApiError
 from app.health import public_lag
-from app.hub import Client, Hub, Subscription, Unservable
+from app.hub import Client, Hub, Subscription, Unservable, compact
 from app.read_model import BadValue, BeyondTheLog, ReadModel
 from app.waiting import TooManyWaiters
 from app.ws_messages import Problem
@@ -183,7 +182,7 @@ class Subscriber:
                 f"the snapshot would exceed {limit} rows; narrow the filter",
                 sub.id,
             )
-        weight = len(json.dumps(rows, separators=(",", ":")))
+        weight = len(compact(rows))
         if weight > self.settings.ws_buffer_bytes // 2:
             raise Problem(
                 "too_many_rows",

@@ -27,7 +27,7 @@ from wsproto.utilities import LocalProtocolError
 
 from app.auth import scopes, verify
 from app.errors import ApiError, too_many, unavailable
-from app.hub import Client, Hub
+from app.hub import Client, Hub, compact
 from app.read_model import ReadModel
 from app.subscribing import Reader, Subscriber, parse_since
 from app.ws_admission import Admission, Ticket, TokenBucket
@@ -229,10 +229,6 @@ def _read(ws: Any, deadline: float | None) -> bool:
     return True
 
 
-def _dumps(message: dict[str, Any]) -> str:
-    return json.dumps(message, separators=(",", ":"))
-
-
 class Connection:
     def __init__(
         self,
@@ -363,7 +359,7 @@ class Connection:
 
     def _send(self, message: dict[str, Any]) -> None:
         """Send at once, before the connection is registered with the writer (refusals)."""
-        self.ws.send(_dumps(message))
+        self.ws.send(compact(message))
 
     # -- client messages --------------------------------------------------------------------
 

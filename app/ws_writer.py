@@ -25,7 +25,6 @@ import _socket
 import contextlib
 import heapq
 import itertools
-import json
 import logging
 import selectors
 import socket
@@ -39,7 +38,7 @@ from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, TextMessage
 from wsproto.frame_protocol import FrameProtocol
 
-from app.hub import Client
+from app.hub import Client, compact
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class Outlet:
                 elif message["type"] == "_resubscribe":
                     self.writer.pool.submit(self._resubscribe, message["id"])
                 else:
-                    text = json.dumps(message, separators=(",", ":"))
+                    text = compact(message)
                     frames += self.ws.ws.send(TextMessage(data=text))
             if not taken or self.client.close_code is None:
                 break  # (a closed client: once more, for its close frame)

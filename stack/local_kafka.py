@@ -1,9 +1,12 @@
-"""A single-node Kafka broker in KRaft mode, from Apache Kafka's jars on Maven Central."""
+"""Kafka in KRaft mode from Apache Kafka's jars on Maven Central: one broker+controller node
+(`LocalKafka`), or several on this machine (`KafkaCluster`: a controller quorum of three, every
+topic replicated three times and written to at least two)."""
 
 from __future__ import annotations
 
 import base64
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 
@@ -20,7 +23,9 @@ def ensure_jars(lib_dir: Path) -> Path:
 
 
 class LocalKafka:
-    """One broker+controller process with its own data directory and ports."""
+    """One broker+controller process with its own data directory and ports; alone, or node
+    `node_id` of a cluster (`voters`: every node's `id@host:controller_port`; `cluster_id`:
+    the same for all)."""
 
     def __init__(
         self,
@@ -29,12 +34,19 @@ class LocalKafka:
         port: int,
         controller_port: int,
         config: tuple[str, ...] = (),
+        node_id: int = 1,
+        voters: str | None = None,
+        cluster_id: str | None = None,
     ) -> None:
         self.config = config  # extra `key=value` lines of server.properties (they win)
         self.jars = ensure_jars(lib_dir)
         self.data_dir = data_dir
         self.port = port
         self.controller_port = controller_port
+        self.node_id = node_id
+        self.voters = voters or f"{node_id}@127.0.0.1:{controller_port}"
+        self.cluster_id = cluster_id or _new_cluster_id()
+        self.nodes = self.voters.count(",") + 1
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,12 +70,16 @@ class LocalKafka:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.data_dir / "server.properties"
         p, c = self.port, self.controller_port
+        # Alone: everything once. In a cluster: every topic (the internal ones too) on three
+        # nodes, a write acknowledged by at least two, and no replica that missed writes ever
+        # elected leader (it would drop what the others acknowledged).
+        copies, isr = min(self.nodes, 3), min(self.nodes, 2)
         conf.write_text(
             "\n".join(
                 [
                     "process.roles=broker,controller",
-                    "node.id=1",
-                    f"controller.quorum.voters=1@127.0.0.1:{c}",
+                    f"node.id={self.node_id}",
+                    f"controller.quorum.voters={self.voters}",
                     f"listeners=PLAINTEXT://127.0.0.1:{p},CONTROLLER://127.0.0.1:{c}",
                     f"advertised.listeners=PLAINTEXT://127.0.0.1:{p}",
                     "controller.listener.names=CONTROLLER",
@@ -71,13 +87,16 @@ class LocalKafka:
                     "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
                     f"log.dirs={self.data_dir / 'log'}",
                     "num.partitions=1",
-                    "offsets.topic.replication.factor=1",
+                    f"offsets.topic.replication.factor={copies}",
                     "offsets.topic.num.partitions=4",
-                    "transaction.state.log.replication.factor=1",
-                    "transaction.state.log.min.isr=1",
+                    f"transaction.state.log.replication.factor={copies}",
+                    f"transaction.state.log.min.isr={isr}",
                     "transaction.state.log.num.partitions=4",
-                    "share.coordinator.state.topic.replication.factor=1",
-                    "share.coordinator.state.topic.min.isr=1",
+                    f"share.coordinator.state.topic.replication.factor={copies}",
+                    f"share.coordinator.state.topic.min.isr={isr}",
+                    f"default.replication.factor={copies}",
+                    f"min.insync.replicas={isr}",
+                    "unclean.leader.election.enable=false",
                     "group.initial.rebalance.delay.ms=0",
                     "auto.create.topics.enable=false",
                     "log.cleaner.backoff.ms=1000",
@@ -93,13 +112,19 @@ class LocalKafka:
         return conf
 
     def start(self, timeout: float = 90.0) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process (formatting its data directory the first time) without waiting:
+        a cluster's nodes are all launched before any can be ready (a quorum needs two)."""
         conf = self._write_config()
         if not (self.data_dir / "log" / "meta.properties").exists():
             subprocess.run(
                 self._java(
                     "kafka.tools.StorageTool",
                     "format",
-                    f"--cluster-id={_new_cluster_id()}",  # `=`: an id may start with "-"
+                    f"--cluster-id={self.cluster_id}",  # `=`: an id may start with "-"
                     "-c",
                     str(conf),
                     "--ignore-formatted",
@@ -107,14 +132,16 @@ class LocalKafka:
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
-        log = (self.data_dir / "broker.out").open("ab")
+        self.log = (self.data_dir / "broker.out").open("ab")
         self.proc = subprocess.Popen(
             self._java("kafka.Kafka", str(conf), heap="512m"),
-            stdout=log,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_until(self._ready, timeout, f"Kafka on {self.bootstrap} (log: {log.name})")
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        wait_until(self._ready, timeout, f"Kafka on {self.bootstrap} (log: {self.log.name})")
 
     def _ready(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -125,14 +152,63 @@ class LocalKafka:
 
         admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000)
         try:
-            return bool(admin.describe_cluster()["brokers"])
+            brokers = admin.describe_cluster()["brokers"]
+            return any(b["node_id"] == self.node_id for b in brokers)
         finally:
             admin.close()
+
+    def kill(self) -> None:
+        """`kill -9`: no shutdown, no flush; the data directory stays for a restart."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout=30)
             self.proc = None
+
+
+class KafkaCluster:
+    """`size` broker+controller nodes on this machine, each with its own ports and data
+    directory (`<data_dir>/node-<id>`), in one cluster."""
+
+    def __init__(
+        self,
+        lib_dir: Path,
+        data_dir: Path,
+        ports: list[tuple[int, int]],  # each node's (client port, controller port)
+        config: tuple[str, ...] = (),
+    ) -> None:
+        voters = ",".join(f"{i}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports, start=1))
+        cluster_id = _new_cluster_id()
+        self.nodes = [
+            LocalKafka(lib_dir, data_dir / f"node-{i}", p, c, config, i, voters, cluster_id)
+            for i, (p, c) in enumerate(ports, start=1)
+        ]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(node.bootstrap for node in self.nodes)
+
+    def node(self, node_id: int) -> LocalKafka:
+        return self.nodes[node_id - 1]
+
+    def start(self, timeout: float = 120.0) -> None:
+        for node in self.nodes:
+            node.launch()
+        for node in self.nodes:
+            node.wait_ready(timeout)
+
+    def stop(self) -> None:
+        """Stop every node at once: one by one, the last would wait out its controlled
+        shutdown for a quorum that is already gone."""
+        stopping = [threading.Thread(target=node.stop) for node in self.nodes]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
 
 
 def _new_cluster_id() -> str:

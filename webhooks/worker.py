@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
@@ -147,9 +148,15 @@ class Worker:
                 if record.offset < cursor:
                     continue
                 skipped += record.offset - cursor
-                change = from_record(
-                    endpoint.view, record.key, record.value, list(record.headers or ())
-                )
+                try:
+                    change = from_record(
+                        endpoint.view, record.key, record.value, list(record.headers or ())
+                    )
+                except Exception as e:  # whatever the record holds: said, counted, passed
+                    self._undecodable(endpoint, record, e)
+                    skipped += 1
+                    cursor = record.offset + 1
+                    continue
                 if last is not None and change.position <= last:  # CDC sent it again
                     cursor = record.offset + 1
                     continue
@@ -184,6 +191,20 @@ class Worker:
                     return
             if time.monotonic() - written_at >= IDLE_CURSOR_WRITE_S or not records:
                 write()
+
+    def _undecodable(self, endpoint: Endpoint, record: Any, error: Exception) -> None:
+        """A changelog record that cannot be decoded is logged and skipped (counted in the
+        endpoint's `skipped_offsets`): retrying it could only fail again, and would hold every
+        later change of the view."""
+        log.error(
+            "webhook %s: cannot decode the changelog record at %s:%d offset %d (%s: %s); skipped",
+            endpoint.id,
+            record.topic,
+            record.partition,
+            record.offset,
+            type(error).__name__,
+            error,
+        )
 
     def _deliver(
         self,

@@ -16,11 +16,13 @@ from typing import Any
 import psycopg
 import pytest
 from flask.testing import FlaskClient
+from kafka import KafkaProducer
 
 from app import close_app, create_app
 from cdc.capture import Capture
 from cdc.changes import WalPosition
 from config.settings import Settings
+from config.topics import Topics
 from stack.procs import wait_until
 from tests.changes import Writer, insert_customers, slot_ready, table_versions
 from tests.hooks import Receiver, verified, versions_by_key
@@ -367,3 +369,28 @@ def test_registration_is_validated_and_for_admins_only(
     assert bad.status_code == 422
     assert api.delete(f"/webhooks/{shown['id']}", headers=ADMIN).status_code == 204
     assert api.delete(f"/webhooks/{shown['id']}", headers=ADMIN).status_code == 404
+
+
+def test_an_undecodable_changelog_record_is_counted_and_passed_and_later_changes_arrive(
+    api: FlaskClient, receiver: Receiver, dispatch: Dispatch, deployment: Settings
+) -> None:
+    dispatch()
+    keys, group = _keys(2)
+    hook = register(api, receiver.url("/undecodable"), group)
+    insert_customers(deployment, keys, group)
+    Writer(deployment, keys, total=4).run()
+    got = lambda: versions_by_key(receiver.acknowledged("/undecodable"))  # noqa: E731
+    first = everything(table_versions(deployment, keys))
+    wait_until(lambda: got() == first, WAIT_S, "the changes before the bad record")
+
+    topic = Topics(deployment.topic_prefix).cdc("customers")
+    producer = KafkaProducer(bootstrap_servers=deployment.kafka(), acks="all")
+    try:  # a record no CDC would write: no headers, a value that is not JSON
+        producer.send(topic, key=b"{", value=b"\x00not json", partition=0).get(30)
+    finally:
+        producer.close(timeout=10)
+    Writer(deployment, keys, total=4).run()
+    want = everything(table_versions(deployment, keys))
+    wait_until(lambda: got() == want, WAIT_S, "the changes after the bad record")
+    shown = endpoint(api, hook["id"])
+    assert shown["skipped_offsets"] == 1 and shown["status"] == "active"

@@ -282,8 +282,8 @@ def test_a_change_is_encoded_once_for_all_its_subscribers(monkeypatch: pytest.Mo
         sub = Subscription(f"s{i}", "orders", "orders", "orders", {}, client)
         hub.subscribe(sub, WalPosition(0, 0))
     encoded: list[Any] = []
-    real = hub_module._dumps
-    monkeypatch.setattr(hub_module, "_dumps", lambda v: encoded.append(v) or real(v))
+    real = hub_module.compact
+    monkeypatch.setattr(hub_module, "compact", lambda v: encoded.append(v) or real(v))
     row = {"order_id": "o1", "title": "Été"}
     hub._apply("orders", [_change(10, "o1", row)])
     assert len(encoded) == 1  # one body, whatever the number of subscribers
