@@ -17,6 +17,8 @@ idle-sockets: cdc and api processes; N subscribers (10,000 by default) of a filt
 matches, in a few client processes; the API's memory per socket, and the p99 of REST reads of
 one row beside them against without them (medians of 3 rounds, each with a fresh API process).
 It measures the serving model `make run` uses; another with e.g. `LOGFOLD_API_WORKER=gthread`.
+`--clients-apart` runs the subscribers' processes on a core of their own, and the API and the
+REST client on the others: what the API's sockets cost REST, without the clients' own CPU.
 
 fanout: cdc and api processes only (no events: the changes are plain SQL `UPDATE customers`,
 which isolates the push path). N websocket subscribers of `customers` in one or a few client
@@ -476,6 +478,14 @@ def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> 
     """One fresh API process: REST's p99 alone, then with `args.clients` idle subscribers."""
     api_proc, url = procs.api()
     fleets: list[Fleet] = []
+    clients = None
+    if args.clients_apart:  # the clients on the last core; the API and this process on the others
+        cores = list(range(os.cpu_count() or 1))  # (this process may be pinned already)
+        if len(cores) < 2:
+            raise SystemExit("--clients-apart needs at least two cores")
+        clients, others = {cores[-1]}, set(cores[:-1])
+        for pid in [*tree(api_proc.pid), os.getpid()]:
+            _pin(pid, others)
     try:
         probe = Watcher(url)
         probe.subscribe("probe", "customers", {"name": "nobody"}, timeout=180)
@@ -483,7 +493,7 @@ def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> 
         without = _rest_p99(url, keys, args.requests)
         rss_before = rss_mib(tree(api_proc.pid))
         urls = [ws_url(url, q) for q in _subscriber_queries(args.clients)]
-        fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE)
+        fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE, clients)
         rss_with = rss_mib(tree(api_proc.pid))
         with_sockets = _rest_p99(url, keys, args.requests)
         open_now = sum(f.ask("status")["snapshots"] - f.ask("status")["closed"] for f in fleets)
@@ -526,11 +536,17 @@ def _subscriber_queries(clients: int) -> list[str]:
 
 
 def _connect(
-    urls: list[str], procs: int, subscribe: dict[str, Any] = SUBSCRIBE
+    urls: list[str],
+    procs: int,
+    subscribe: dict[str, Any] = SUBSCRIBE,
+    cpus: set[int] | None = None,
 ) -> tuple[list[Fleet], int, float]:
-    """Fleets of `procs` client processes sharing `urls` (a subscriber each); once every
-    subscriber has its snapshot: (the fleets, sockets opened, seconds it took)."""
+    """Fleets of `procs` client processes sharing `urls` (a subscriber each), run on `cpus`
+    when given; once every subscriber has its snapshot: (the fleets, sockets opened, seconds it
+    took)."""
     fleets = [Fleet(urls[i::procs], subscribe) for i in range(procs)]
+    for fleet in fleets if cpus else []:
+        _pin(fleet.pid, cpus)
     t = time.monotonic()
     for fleet in fleets:
         fleet.control.send("connect")
@@ -542,6 +558,13 @@ def _connect(
         interval=1,
     )
     return fleets, connected, time.monotonic() - t
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Run every thread of process `pid` on `cpus` only."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def _fleet_roots(fleets: list[Fleet]) -> dict[str, int]:
@@ -839,6 +862,12 @@ def main() -> None:
     i.add_argument("--rows", type=int, default=100, help="rows of the view REST reads")
     i.add_argument("--requests", type=int, default=1000, help="REST reads per measure")
     i.add_argument("--repeats", type=int, default=3, help="rounds, each with a fresh API process")
+    i.add_argument(
+        "--clients-apart",
+        action="store_true",
+        help="the subscribers' processes on a core of their own (as on other machines), the API "
+        "and the REST client on the others",
+    )
     args = parser.parse_args()
     run = {"freshness": freshness, "fanout": fanout, "idle-sockets": idle_sockets}[args.which]
     result = run(args)
