@@ -85,12 +85,24 @@ class Outlet:
                 self.pending += data
         self.writer.wake(self)
 
-    def beat(self) -> None:
-        """A heartbeat, written at once (by the writer, which calls this)."""
+    def beat(self, now: float) -> None:
+        """A heartbeat, written at once (by the writer, which calls this): straight to the
+        socket when nothing waits before it (thousands of these a second, each as cheap as a
+        send), else after what does."""
         with self.lock:
-            if self.closing:
+            if self.closing or self.broken:
                 return
-            self.pending += HEARTBEAT
+            if not self.pending:
+                try:
+                    sent = self.sock.send(HEARTBEAT, socket.MSG_DONTWAIT)
+                except OSError:  # full, or gone: as any write (flush says which)
+                    sent = 0
+                if sent == len(HEARTBEAT):
+                    self.last_write = now
+                    return
+                self.pending += HEARTBEAT[sent:]
+            else:
+                self.pending += HEARTBEAT
         self.flush()
 
     def pump(self) -> None:
@@ -363,7 +375,7 @@ class Writer:
                 continue
             if now - outlet.last_write >= self.heartbeat_s:
                 if outlet.ws.connected:
-                    outlet.beat()
+                    outlet.beat(now)
                 later.append((outlet, now + self.heartbeat_s))
             else:  # written to since: due a heartbeat_s after that
                 later.append((outlet, outlet.last_write + self.heartbeat_s))
