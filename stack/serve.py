@@ -1,6 +1,6 @@
-"""Serving the API with gunicorn: threaded workers (`gthread`, the default), or gevent workers
-(`LOGFOLD_API_WORKER=gevent`: a greenlet per connection, for tens of thousands of websockets in
-one process; flask-sock's websockets work under both)."""
+"""Serving the API with gunicorn: gevent workers (the default: a greenlet per connection, for
+tens of thousands of websockets in one process), or threaded ones (`LOGFOLD_API_WORKER=gthread`);
+flask-sock's websockets work under both."""
 
 from __future__ import annotations
 
