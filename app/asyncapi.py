@@ -99,6 +99,7 @@ SERVER: dict[str, Schema] = {
                     "unavailable",
                     "timeout",
                     "too_slow",
+                    "going_away",
                     "internal",
                 ],
             },

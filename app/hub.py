@@ -53,6 +53,8 @@ from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_
 log = logging.getLogger(__name__)
 
 SLOW_CLOSE = 4008
+GOING_AWAY = 1001  # the process is stopping: reconnect (to another node) and resume
+GOING_AWAY_MESSAGE = "this API node is stopping: reconnect and resume with `since`"
 SMALL_MESSAGE_BYTES = 128  # what a message without rows counts for in the outbox's byte bound
 FLOOR = WalPosition(0, 0)
 UNKNOWN = WalPosition(2**63, 0)  # above every position: nothing can be served yet
@@ -554,6 +556,22 @@ class Hub:
     def unsubscribe(self, sub: Subscription) -> None:
         with self.lock:
             self.tables[sub.table].subscriptions.discard(sub)
+
+    def going_away(self) -> int:
+        """The process is stopping: every client is told so (`error` `going_away`, then close
+        code 1001 on a websocket; the end of a stream) and closed, so that it reconnects, through
+        the load balancer to another node, and resumes where it was. How many there were."""
+        with self.lock:
+            clients = list(self.clients)
+        for client in clients:
+            farewell = {
+                "type": "error",
+                "id": None,
+                "code": "going_away",
+                "message": GOING_AWAY_MESSAGE,
+            }
+            client.close(GOING_AWAY, GOING_AWAY_MESSAGE, farewell)
+        return len(clients)
 
     def _reap(self, grace: float = 10.0) -> None:
         """Clients closed for being slow whose socket stays blocked: cut them off."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything Logfold needs on a fresh Debian machine, idempotently:
-# Java + Maven + Postgres server binaries (apt, when missing), a virtualenv with the Python
+# Java + Maven + Postgres server binaries + HAProxy (apt, when missing), a virtualenv with the Python
 # packages (re-installed when pyproject.toml changes), and the Kafka broker jars (Maven).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,8 @@ command -v java >/dev/null || missing+=(default-jdk-headless)
 command -v mvn >/dev/null || missing+=(maven)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing+=(postgresql)
 command -v python3 >/dev/null || missing+=(python3 python3-venv)
+# The load balancer in front of the API nodes of `logfold run --cluster` (and its tests).
+[ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null || missing+=(haproxy)
 # The test suite drives the live page in headless Chromium (Debian's build and its driver).
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
   command -v chromium >/dev/null || missing+=(chromium)

@@ -32,7 +32,13 @@ def main() -> None:
 
 @main.command()
 @click.option("--processors", type=int, default=None, help="Command processor processes.")
-def run(processors: int | None) -> None:
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="The cluster topology on this machine: 3 Kafka nodes, a Spark master with 2 workers, "
+    "2 command processors, 2 API nodes behind HAProxy (data apart, in <data>/cluster).",
+)
+def run(processors: int | None, cluster: bool) -> None:
     """Run the whole stack locally: Kafka, Postgres, command processing and the API.
 
     Kafka and Postgres are started from the project's own data directory unless
@@ -49,7 +55,7 @@ def run(processors: int | None) -> None:
     if processors is not None:
         settings.processors = processors
     try:
-        local.run(settings)
+        local.run(settings, cluster=cluster)
     except (RuntimeError, TimeoutError, TopicMisconfigured) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)

@@ -3,6 +3,12 @@
 Starts what is not configured externally (Kafka, Postgres), prepares topics and tables, then runs
 command processors and the API as child processes until Ctrl-C.
 
+`logfold run --cluster` runs the same code as a cluster would, on this machine: three Kafka
+nodes (every topic on three, written to two), a Spark standalone master with two workers (the
+projector is submitted there), two command processors, and two API nodes behind a load balancer
+(HAProxy) on the API's port. Its data is kept apart from the single-node stack's
+(`<data>/cluster`): the two never share a log.
+
 The children run in sessions of their own, so Ctrl-C in the terminal reaches this process alone,
 which stops them one by one, the API first, and says so in a line each. Their output comes
 through this process, each line prefixed with the child's name (config/logs.py)."""
@@ -29,8 +35,10 @@ from app.auth import check_secret
 from config import logs
 from config.settings import Settings
 from stack import stack_env
-from stack.local_kafka import LocalKafka
+from stack.local_kafka import KafkaCluster, LocalKafka
+from stack.local_lb import LoadBalancer
 from stack.local_postgres import LocalPostgres
+from stack.local_spark import SparkStandalone
 from stack.migrate import upgrade
 from stack.procs import port_open, wait_until
 from stack.pulse import Pulse
@@ -42,6 +50,11 @@ PROJECTOR_START_S = 300
 # How long a child may take to stop after SIGTERM before it is killed (the API lets its open
 # requests finish for up to 10 s; the projector stops its queries).
 STOP_S = 30.0
+# The cluster topology's sizes (`logfold run --cluster`).
+CLUSTER_BROKERS = 3
+CLUSTER_WORKERS = 2
+CLUSTER_API_NODES = 2
+CLUSTER_PROCESSORS = 2
 
 log = logging.getLogger("logfold")
 _output_lock = threading.Lock()
@@ -106,11 +119,16 @@ def secret_for(settings: Settings) -> str:
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, say: Callable[[str], object] = log.info) -> None:
+    def __init__(
+        self, settings: Settings, say: Callable[[str], object] = log.info, cluster: bool = False
+    ) -> None:
         self.settings = settings
         self.say = say
-        self.kafka: LocalKafka | None = None
+        self.cluster = cluster
+        self.kafka: LocalKafka | KafkaCluster | None = None
         self.postgres: LocalPostgres | None = None
+        self.spark: SparkStandalone | None = None
+        self.balancer: LoadBalancer | None = None
         self.children: list[Child] = []
         self.hurry = threading.Event()  # a second Ctrl-C: stop the children at once
 
@@ -122,13 +140,33 @@ class LocalStack:
             )
 
     def start_services(self) -> Settings:
-        s, data = self.settings, self.settings.data_path
-        if not s.kafka_bootstrap_servers:
+        s = self.settings
+        data = s.data_path / "cluster" if self.cluster else s.data_path
+        if not s.kafka_bootstrap_servers and self.cluster:
+            # Each node a client port and a controller port: 19092/19093, 19094/19095, …
+            ports = [(s.kafka_port + 2 * i, s.kafka_port + 2 * i + 1) for i in range(3)]
+            for port, _ in ports:
+                self._check_port(port, "Kafka", "LOGFOLD_KAFKA_PORT")
+            self.say(
+                f"starting Kafka: {CLUSTER_BROKERS} nodes on 127.0.0.1:"
+                f"{', '.join(str(p) for p, _ in ports)} (data in {data / 'kafka'})"
+            )
+            self.kafka = KafkaCluster(s.lib_path, data / "kafka", ports)
+            self.kafka.start()
+            s.kafka_bootstrap_servers = self.kafka.bootstrap
+            if "replication_factor" not in s.model_fields_set:
+                s.replication_factor = CLUSTER_BROKERS
+        elif not s.kafka_bootstrap_servers:
             self._check_port(s.kafka_port, "Kafka", "LOGFOLD_KAFKA_PORT")
             self.say(f"starting Kafka on 127.0.0.1:{s.kafka_port} (data in {data / 'kafka'})")
             self.kafka = LocalKafka(s.lib_path, data / "kafka", s.kafka_port, s.kafka_port + 1)
             self.kafka.start()
             s.kafka_bootstrap_servers = self.kafka.bootstrap
+        if self.cluster and "spark_master" not in s.model_fields_set:
+            self.say(f"starting Spark: a standalone master and {CLUSTER_WORKERS} workers")
+            self.spark = SparkStandalone(data / "spark", workers=CLUSTER_WORKERS)
+            self.spark.start()
+            s.spark_master = self.spark.url
         if not s.database_url:
             self._check_port(s.postgres_port, "Postgres", "LOGFOLD_POSTGRES_PORT")
             self.say(f"starting Postgres on 127.0.0.1:{s.postgres_port} (data in {data / 'pg'})")
@@ -159,6 +197,8 @@ class LocalStack:
             # What the API accepts of a token: `logfold token` in another shell issues it so.
             "LOGFOLD_JWT_AUDIENCE": s.jwt_audience,
             "LOGFOLD_JWT_MAX_TTL_S": str(s.jwt_max_ttl_s),
+            "LOGFOLD_REPLICATION_FACTOR": str(s.replication_factor),
+            "LOGFOLD_SPARK_MASTER": s.spark_master,
             **({"LOGFOLD_API_DATABASE_URL": s.api_database_url} if s.api_database_url else {}),
         }
 
@@ -186,13 +226,24 @@ class LocalStack:
     def start_processes(self) -> None:
         s = self.settings
         self._check_port(s.api_port, "the API", "LOGFOLD_API_PORT")
-        for n in range(s.processors):
-            self.spawn("processor" if s.processors == 1 else f"processor-{n + 1}", "processor")
+        processors = max(s.processors, CLUSTER_PROCESSORS) if self.cluster else s.processors
+        for n in range(processors):
+            self.spawn("processor" if processors == 1 else f"processor-{n + 1}", "processor")
         self._projector_spawned = self._database_now()
         projector = self.spawn("projector", "projector")
         self.spawn("cdc", "cdc")
         self.spawn("webhooks", "webhooks")
-        self.spawn("api", "api", "--host", s.api_host, "--port", str(s.api_port))
+        if self.cluster:
+            # The nodes on the ports after the API's; the balancer on the API's own.
+            nodes = [s.api_port + i for i in range(1, CLUSTER_API_NODES + 1)]
+            for i, port in enumerate(nodes, start=1):
+                self._check_port(port, f"API node {i}", "LOGFOLD_API_PORT")
+                self.spawn(f"api-{i}", "api", "--host", "127.0.0.1", "--port", str(port))
+            self.say(f"starting the load balancer (HAProxy) on {s.api_host}:{s.api_port}")
+            self.balancer = LoadBalancer(s.data_path / "cluster" / "lb", s.api_port, nodes)
+            self.balancer.start()
+        else:
+            self.spawn("api", "api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"
         wait_until(lambda: requests.get(url, timeout=2).status_code == 200, 90, url)
         self.say("waiting for the Spark projector to warm up and start its queries…")
@@ -207,6 +258,27 @@ class LocalStack:
                 "the projector is still catching up with the log; views lag until it has "
                 "(their lag: /health, /views)"
             )
+
+    def cluster_lines(self) -> str:
+        """The banner's lines about the cluster topology (none without `--cluster`)."""
+        lines = []
+        if self.balancer is not None:
+            nodes = ", ".join(f":{p}" for p in self.balancer.backends)
+            lines.append(
+                f"  API nodes  {nodes} behind HAProxy on :{self.balancer.port} "
+                f"(its stats: http://127.0.0.1:{self.balancer.stats_port}/)"
+            )
+        if self.spark is not None:
+            lines.append(
+                f"  Spark      {self.spark.url} with {CLUSTER_WORKERS} workers "
+                f"(UI: http://127.0.0.1:{self.spark.ui_port}/)"
+            )
+        if isinstance(self.kafka, KafkaCluster):
+            lines.append(
+                f"  topics     on {self.settings.replication_factor} nodes each, "
+                "written to 2 (min.insync.replicas)"
+            )
+        return "".join(f"\n{line}" for line in lines)
 
     def _database_now(self) -> datetime:
         import psycopg
@@ -235,6 +307,12 @@ class LocalStack:
         for child in reversed(self.children):
             self._stop(child)
         self.children.clear()
+        if self.balancer is not None:
+            self.balancer.stop()
+            self.say("stopped the load balancer")
+        if self.spark is not None:
+            self.spark.stop()
+            self.say("stopped Spark")
         if self.postgres is not None:
             self.postgres.stop()
             self.say("stopped Postgres")
@@ -272,7 +350,7 @@ class LocalStack:
             _write(line)
 
 
-def run(settings: Settings) -> None:
+def run(settings: Settings, cluster: bool = False) -> None:
     from app.auth import issue_token
 
     running = stack_env.read(settings)
@@ -281,7 +359,7 @@ def run(settings: Settings) -> None:
             f"a local stack is already running here (`logfold run`, pid {running[stack_env.PID]}); "
             'stop it first, or use it: `eval "$(logfold env)"`'
         )
-    stack = LocalStack(settings)
+    stack = LocalStack(settings, cluster=cluster)
     pulse: Pulse | None = None
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
@@ -304,7 +382,7 @@ Logfold is running.
   live page  {base}/live#token=$TOKEN   (websocket: {base.replace("http", "ws", 1)}/ws)
   health     {base}/health
   Kafka      {settings.kafka()}
-  Postgres   {settings.database()}
+  Postgres   {settings.database()}{stack.cluster_lines()}
 
 Development token (all scopes, valid {ttl / 3600:g} h; `logfold token` prints another):
   export TOKEN={token}

@@ -182,7 +182,12 @@ class KafkaCluster:
         config: tuple[str, ...] = (),
     ) -> None:
         voters = ",".join(f"{i}@127.0.0.1:{c}" for i, (_, c) in enumerate(ports, start=1))
-        cluster_id = _new_cluster_id()
+        # Kept beside the nodes: a node formatted later (its directory lost) joins the same one.
+        id_file = data_dir / "cluster-id"
+        if not id_file.exists():
+            data_dir.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(_new_cluster_id())
+        cluster_id = id_file.read_text().strip()
         self.nodes = [
             LocalKafka(lib_dir, data_dir / f"node-{i}", p, c, config, i, voters, cluster_id)
             for i, (p, c) in enumerate(ports, start=1)

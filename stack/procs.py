@@ -23,16 +23,22 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def wait_until(
-    condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.1
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+    interval: float = 0.1,
+    fail_fast: bool = False,
 ) -> None:
-    """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` s."""
+    """Poll `condition` until it is true; raise TimeoutError naming `what` after `timeout` s.
+    What `condition` raises means "not yet", unless `fail_fast`: then it is raised at once."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             if condition():
                 return
         except Exception:  # a not-yet-ready service raises; keep polling
-            pass
+            if fail_fast:
+                raise
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)

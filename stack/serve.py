@@ -33,6 +33,7 @@ class ApiServer(BaseApplication):  # type: ignore[misc]
             "graceful_timeout": 10,
             "accesslog": None,
             "loglevel": "info" if is_debug(settings.log_level) else "warning",
+            "post_worker_init": _drain_on_stop,
         }
         _raise_open_files(settings.api_connections + 1000 if gevent else 0)
         super().__init__()
@@ -55,6 +56,33 @@ class ApiServer(BaseApplication):  # type: ignore[misc]
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: thread dump
 
         return create_app(self.settings)
+
+
+def _drain_on_stop(worker: Any) -> None:
+    """When the worker is told to stop (SIGTERM: gunicorn stops accepting, so a load balancer
+    sends new connections elsewhere, and lets open requests finish), its websockets and event
+    streams are told `going_away` and closed, so that their clients reconnect to another node
+    and resume at once, instead of holding the worker until its graceful timeout."""
+    import signal
+    import threading
+
+    stop = signal.getsignal(signal.SIGTERM)
+    app = worker.wsgi
+
+    def on_stop(signum: int, frame: Any) -> None:
+        if callable(stop):
+            stop(signum, frame)
+        # Not in the signal handler: it may have interrupted a holder of the hub's lock (and
+        # under gevent it runs in the event loop, where nothing may wait).
+        going_away = app.extensions["logfold.hub"].going_away
+        if app.extensions["logfold.settings"].api_worker == "gevent":
+            import gevent
+
+            gevent.spawn(going_away)
+        else:
+            threading.Thread(target=going_away, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_stop)
 
 
 def cooperative() -> None:

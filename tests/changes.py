@@ -145,3 +145,42 @@ def slot_ready(settings: Settings) -> bool:
             "SELECT 1 FROM cdc_slots WHERE slot = %s", (slot_name(settings),)
         ).fetchone()
     return found is not None
+
+
+def check_once(settings: Settings, keys: list[str], messages: list[dict[str, object]]) -> None:
+    """`messages` (a subscription's, over one or more connections) hold every change of the
+    `keys`' rows exactly once, in order, ending at the table's state."""
+    from tests.wsclient import fold
+
+    final = table_versions(settings, keys)
+    rows = fold(messages, "customer_id")  # type: ignore[arg-type]
+    assert {k: r["version"] for k, r in rows.items()} == final
+    assert_consecutive(versions_seen(messages), final)  # type: ignore[arg-type]
+    # The same sequence as the changelog (without CDC's resends) after the first snapshot.
+    logged: dict[str, list[int]] = {}
+    for change in distinct(changelog(settings, "customers")):
+        if change.row is not None and change.key["customer_id"] in final:
+            logged.setdefault(change.key["customer_id"], []).append(change.row["version"])
+    seen = versions_seen(messages)  # type: ignore[arg-type]
+    for key, versions in seen.items():
+        assert logged[key][-len(versions) :] == versions, key
+
+
+def check_resumed(
+    settings: Settings, keys: list[str], client: Any, earlier: list[dict[str, object]]
+) -> None:
+    """Once the writes are done: `client` (subscription `s`, resumed with `since` after the
+    connections that got `earlier`) catches up with the table, without a new snapshot, and
+    every change came exactly once over all the connections."""
+    from tests.wsclient import fold
+
+    final = table_versions(settings, keys)
+
+    def caught_up() -> bool:
+        rows = fold(earlier + client.of("s"), "customer_id")
+        return {k: r["version"] for k, r in rows.items()} == final
+
+    client.wait_for(caught_up, "the resumed client to see every change", 120)
+    resumed = client.of("s")
+    assert not [m for m in resumed if m["type"] in ("snapshot", "resync")], "not resumed"
+    check_once(settings, keys, earlier + resumed)

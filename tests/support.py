@@ -342,8 +342,8 @@ class Processes:
     def processor(self) -> subprocess.Popen[bytes]:
         return self._spawn("processor", "processor")
 
-    def api(self) -> tuple[subprocess.Popen[bytes], str]:
-        port = free_port()
+    def api(self, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+        port = port or free_port()
         proc = self._spawn("api", "api", "--port", str(port))
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: requests.get(f"{url}/openapi.json", timeout=2).ok, 60, f"API at {url}")

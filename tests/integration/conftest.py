@@ -25,6 +25,14 @@ def deployment(base_settings: Settings) -> Settings:
     return new_deployment(base_settings)
 
 
+@pytest.fixture
+def fresh(base_settings: Settings) -> Iterator[Settings]:
+    """A deployment of the test's own, whose CDC slot is dropped after it."""
+    settings = new_deployment(base_settings)
+    yield settings
+    drop_cdc_slot(settings)
+
+
 @pytest.fixture(scope="module")
 def projecting(
     deployment: Settings, tmp_path_factory: pytest.TempPathFactory

@@ -6,6 +6,8 @@ connection's handler reads its socket itself; one writer thread sends to all of 
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,3 +107,26 @@ def test_rest_websockets_sse_and_long_polling(api: tuple[str, int, Settings, str
     assert health.status_code == 200
     if worker == "gevent":  # (gthread keeps its pool's threads, idle, for the next ones)
         wait_until(lambda: _os_threads(pid) <= threads_before + 2, 30, "no thread left behind")
+
+
+def test_stopping_tells_sockets_and_streams_to_go_elsewhere(
+    api: tuple[str, int, Settings, str],
+) -> None:
+    """SIGTERM (a drain, as before a deploy): each websocket gets `error` `going_away` and close
+    code 1001, each event stream the same `error` and its end; their clients reconnect (through
+    a load balancer, to another node) and resume. (The module's last test: it stops the API.)"""
+    url, pid, deployment, _ = api
+    group = f"group-{uuid.uuid4().hex[:8]}"
+    insert_customers(deployment, [f"{group}-0"], group)
+    client = WsClient(url.replace("http://", "ws://") + "/ws", token("views:read"))
+    client.subscribe("s", "customers", {"name": group})
+    stream = SseClient(url, "customers", token("views:read"), {"name": group})
+    client.wait_for(lambda: bool(client.of("s", "snapshot")), "the socket's snapshot")
+    stream.wait_for(lambda: bool(stream.of("snapshot")), "the stream's snapshot")
+
+    os.kill(pid, signal.SIGTERM)
+    assert client.wait_closed() == 1001
+    told = [m for m in client.messages if m["type"] == "error"]
+    assert [m["code"] for m in told] == ["going_away"], told
+    stream.wait_for(lambda: stream.ended, "the stream's end")
+    assert [m["code"] for m in stream.of("error")] == ["going_away"]

@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -28,7 +27,7 @@ from tests.changes import (
     slot_ready,
     table_versions,
 )
-from tests.support import Processes, drop_cdc_slot, new_deployment
+from tests.support import Processes, new_deployment
 
 pytestmark = pytest.mark.integration
 
@@ -56,13 +55,6 @@ def _confirmed_lsn(settings: Settings) -> int:
         ).fetchone()
     assert row is not None
     return int(row[0])
-
-
-@pytest.fixture
-def fresh(base_settings: Settings) -> Iterator[Settings]:
-    settings = new_deployment(base_settings)
-    yield settings
-    drop_cdc_slot(settings)
 
 
 def _run_capture(settings: Settings) -> tuple[Capture, threading.Thread]:

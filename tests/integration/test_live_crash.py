@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,25 +15,16 @@ from config.settings import Settings
 from stack.procs import wait_until
 from tests.changes import (
     Writer,
-    assert_consecutive,
-    changelog,
-    distinct,
+    check_once,
+    check_resumed,
     insert_customers,
     slot_ready,
     table_versions,
-    versions_seen,
 )
-from tests.support import Processes, drop_cdc_slot, kill_tree, new_deployment, token
+from tests.support import Processes, kill_tree, token
 from tests.wsclient import WsClient, fold
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture
-def fresh(base_settings: Settings) -> Iterator[Settings]:
-    settings = new_deployment(base_settings)
-    yield settings
-    drop_cdc_slot(settings)
 
 
 def _ws(api_url: str) -> str:
@@ -51,21 +41,6 @@ def _wait_changes(client: WsClient, n: int) -> None:
     client.wait_for(
         lambda: len(client.of("s", "change")) > n, f"{n} changes ({client.messages[:3]})"
     )
-
-
-def _check(settings: Settings, keys: list[str], messages: list[dict[str, object]]) -> None:
-    final = table_versions(settings, keys)
-    rows = fold(messages, "customer_id")  # type: ignore[arg-type]
-    assert {k: r["version"] for k, r in rows.items()} == final
-    assert_consecutive(versions_seen(messages), final)  # type: ignore[arg-type]
-    # The same sequence as the changelog (without CDC's resends) after the first snapshot.
-    logged: dict[str, list[int]] = {}
-    for change in distinct(changelog(settings, "customers")):
-        if change.row is not None and change.key["customer_id"] in final:
-            logged.setdefault(change.key["customer_id"], []).append(change.row["version"])
-    seen = versions_seen(messages)  # type: ignore[arg-type]
-    for key, versions in seen.items():
-        assert logged[key][-len(versions) :] == versions, key
 
 
 def test_kill_9_of_cdc_while_clients_listen(fresh: Settings, tmp_path: Path) -> None:
@@ -94,7 +69,7 @@ def test_kill_9_of_cdc_while_clients_listen(fresh: Settings, tmp_path: Path) -> 
 
         client.wait_for(caught_up, "the client to see every change", 120)
         assert client.close_code is None  # the websocket server never noticed
-        _check(fresh, keys, client.of("s"))
+        check_once(fresh, keys, client.of("s"))
         client.close()
     finally:
         procs.stop()
@@ -126,16 +101,7 @@ def test_kill_9_of_the_websocket_server_then_resume_with_since(
                 server, api = procs.api()  # a new server on a new port
                 client = _subscribe(_ws(api), group, since=str(since))
             writer.wait()
-        final = table_versions(fresh, keys)
-
-        def caught_up() -> bool:
-            rows = fold(messages + client.of("s"), "customer_id")  # type: ignore[arg-type]
-            return {k: r["version"] for k, r in rows.items()} == final
-
-        client.wait_for(caught_up, "the resumed client to see every change", 120)
-        resumed = client.of("s")
-        assert not [m for m in resumed if m["type"] in ("snapshot", "resync")], "not resumed"
-        _check(fresh, keys, messages + resumed)
+        check_resumed(fresh, keys, client, messages)
         client.close()
     finally:
         procs.stop()

@@ -1,0 +1,192 @@
+"""A load balancer in front of several API nodes on this machine: HAProxy, from Debian's package.
+
+How it routes (the configuration `LoadBalancer.config` writes):
+- Each node is in the backend twice. As a regular server it is checked on `/health`
+  (readiness): requests go to the nodes that are ready. As a backup it is checked on
+  `/health/live`: when no node is ready (a dependency every node shares is down), requests still
+  reach the live ones, which answer what they can and a JSON `503` for the rest, instead of the
+  balancer's own page.
+- `leastconn`: a websocket is a long connection; the node holding the fewest takes the next.
+  Upgraded connections (websockets, server-sent events) stay open for `timeout tunnel`.
+- A connection a node refuses (stopped, killed) is tried again on another node
+  (`retry-on conn-failure`, `option redispatch`): a request that never reached a node is safe
+  to send elsewhere. One that reached a node which then died gets a `502`; commands carry an
+  `Idempotency-Key` to be retried safely.
+- A node being stopped drains: it stops accepting at once (so new connections go elsewhere),
+  finishes its requests, and closes its websockets with `1001` (clients reconnect through here
+  and resume with `since`).
+- When no node is up at all, the answer is the API's own JSON error shape with `503`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import resource
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+from stack.procs import free_port, port_open, stop_process, wait_until
+
+CHECK_INTERVAL_MS = 1000  # a node that stopped answering is out after FALL checks
+FALL, RISE = 2, 2
+UNAVAILABLE = (
+    '{"error": {"code": "unavailable", "message": "no API node is up behind the load '
+    'balancer; retry after a few seconds", "details": []}}'
+)
+
+
+def haproxy() -> str:
+    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
+    if found is None:
+        raise RuntimeError(
+            "HAProxy is needed for the cluster topology: `apt-get install -y haproxy` "
+            "(`make bootstrap` does this for you)"
+        )
+    return found
+
+
+def maxconn() -> int:
+    """Connections HAProxy holds at once: each takes two descriptors (client and node side),
+    within the hard limit on open files (raising the soft one is HAProxy's own business)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 20000 if hard == resource.RLIM_INFINITY else max(256, min(20000, (hard - 200) // 2))
+
+
+class LoadBalancer:
+    """HAProxy on `port`, balancing over the API nodes at `backends` (ports on 127.0.0.1)."""
+
+    def __init__(self, data_dir: Path, port: int, backends: list[int]) -> None:
+        # (absolute: HAProxy reads a relative socket path as an address)
+        self.data_dir, self.port, self.backends = data_dir.resolve(), port, backends
+        self.stats_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_socket(self) -> Path:
+        return self.data_dir / "admin.sock"
+
+    def config(self) -> str:
+        error_page = self.data_dir / "503.http"
+        servers = [
+            f"    server api{i} 127.0.0.1:{port} check"
+            for i, port in enumerate(self.backends, start=1)
+        ]
+        backups = [
+            f"    server api{i}-live 127.0.0.1:{port} backup track live/api{i}"
+            for i, port in enumerate(self.backends, start=1)
+        ]
+        return f"""\
+global
+    maxconn {maxconn()}
+    stats socket {self.admin_socket} mode 600 level admin
+
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    timeout tunnel 1h
+    timeout client-fin 5s
+    timeout http-request 10s
+    retries 3
+    retry-on conn-failure
+    option redispatch 1
+    errorfile 503 {error_page}
+
+frontend api
+    bind 127.0.0.1:{self.port}
+    default_backend api
+
+frontend stats
+    bind 127.0.0.1:{self.stats_port}
+    http-request use-service prometheus-exporter if {{ path /metrics }}
+    stats enable
+    stats uri /
+
+backend api
+    balance leastconn
+    option allbackups
+    option httpchk GET /health
+    http-check expect status 200
+    default-server inter {CHECK_INTERVAL_MS} fall {FALL} rise {RISE}
+{chr(10).join(servers)}
+{chr(10).join(backups)}
+
+# The same nodes checked for liveness only: the backups above follow these.
+backend live
+    option httpchk GET /health/live
+    http-check expect status 200
+    default-server inter {CHECK_INTERVAL_MS} fall {FALL} rise {RISE}
+{chr(10).join(f"    server api{i} 127.0.0.1:{p} check" for i, p in enumerate(self.backends, 1))}
+"""
+
+    def write_config(self) -> Path:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        body = UNAVAILABLE.encode()
+        (self.data_dir / "503.http").write_bytes(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Retry-After: 2\r\nCache-Control: no-cache\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        path = self.data_dir / "haproxy.cfg"
+        path.write_text(self.config())
+        return path
+
+    def start(self, timeout: float = 30.0) -> None:
+        path = self.write_config()
+        check = subprocess.run(
+            [haproxy(), "-c", "-f", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        if check.returncode != 0:
+            alerts = [line for line in check.stdout.decode().splitlines() if "ALERT" in line]
+            raise RuntimeError(f"HAProxy refused {path}: {' '.join(alerts)}")
+        log = (self.data_dir / "haproxy.out").open("ab")
+        self.proc = subprocess.Popen(
+            [haproxy(), "-db", "-f", str(path)],  # -db: in the foreground, a child of ours
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        proc = self.proc
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"HAProxy exited with {proc.returncode}: see {self.data_dir / 'haproxy.out'}"
+                )
+            return port_open(self.port)
+
+        wait_until(listening, timeout, f"the load balancer at {self.url}", fail_fast=True)
+
+    def servers(self) -> dict[str, dict[str, str]]:
+        """The backend's servers as HAProxy sees them: status (`UP`, `DOWN`, `MAINT`…), `scur`
+        (connections open now), and the rest of its `show stat` columns."""
+        rows = csv.DictReader(io.StringIO(self.command("show stat").lstrip("# ")))
+        return {
+            r["svname"]: r
+            for r in rows
+            if r["pxname"] == "api" and r["svname"] not in ("FRONTEND", "BACKEND")
+        }
+
+    def command(self, line: str) -> str:
+        """One command on HAProxy's runtime API (its admin socket)."""
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(self.admin_socket))
+            s.sendall(line.encode() + b"\n")
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, timeout=10)
+            self.proc = None
