@@ -1,8 +1,9 @@
 # The two commands a newcomer needs: `make run` and `make test`. Both set up what they need.
-.PHONY: bootstrap run test test-unit lint bench bench-live help
+.PHONY: bootstrap run cluster test test-unit lint bench bench-live help
 
 help:
 	@echo "make run        run the whole stack locally (Kafka, Postgres, processors, API on :8000)"
+	@echo "make cluster    the same as a cluster on this machine: 3 Kafka nodes, Spark master + 2 workers, 2 API nodes behind HAProxy"
 	@echo "make test       run every test (unit, integration, e2e) against real Kafka/Postgres"
 	@echo "make test-unit  only the fast unit tests"
 	@echo "make lint       ruff + mypy"
@@ -14,6 +15,9 @@ bootstrap:
 
 run: bootstrap
 	.venv/bin/logfold run
+
+cluster: bootstrap
+	.venv/bin/logfold run --cluster
 
 test: bootstrap lint
 	.venv/bin/pytest

@@ -10,15 +10,22 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pyspark
-
 from stack.procs import free_port, port_open, stop_process, wait_until
 
-SPARK_HOME = Path(pyspark.__file__).parent
+
+def spark_home() -> Path:
+    """pyspark's own distribution (its `bin/spark-class` and jars). Found when needed: the
+    processes that never run Spark (the API's among them) do not import pyspark."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pyspark")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("pyspark is not installed: `make bootstrap`")
+    return Path(spec.origin).parent
 
 
 def _spark_class(main: str, *args: str) -> list[str]:
-    return [str(SPARK_HOME / "bin" / "spark-class"), main, *args]
+    return [str(spark_home() / "bin" / "spark-class"), main, *args]
 
 
 class SparkStandalone:
@@ -38,7 +45,7 @@ class SparkStandalone:
     def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = (self.data_dir / f"{name}.out").open("ab")
-        env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1"}
+        env = {**os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOCAL_IP": "127.0.0.1"}
         env["SPARK_LOG_DIR"] = str(self.data_dir / "logs")
         return subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
