@@ -54,6 +54,104 @@ def maxconn() -> int:
     return 20000 if hard == resource.RLIM_INFINITY else max(256, min(20000, (hard - 200) // 2))
 
 
+def haproxy_config(
+    bind: str,
+    backends: list[str],
+    admin_socket: str,
+    error_page: str,
+    stats_bind: str,
+    max_connections: int,
+    dns: str | None = None,
+) -> str:
+    """HAProxy's configuration: listening on `bind`, balancing over the API nodes at `backends`
+    (`host:port` each) as the module's docstring says; `dns`: a name server that resolves the
+    nodes' names again as they come and go (containers). The same text for the local processes
+    and for the containers of docker-compose.yml (stack/compose/haproxy.cfg)."""
+    resolvers = f"\nresolvers dns\n    nameserver dns {dns}\n    hold valid 10s\n" if dns else ""
+    addr = "init-addr libc,none" + (" resolvers dns" if dns else "")
+    names = [f"api{i}" for i in range(1, len(backends) + 1)]
+    ready = [f"    server {n} {a} check" for n, a in zip(names, backends, strict=True)]
+    live = [
+        f"    server {n}-live {a} backup track live/{n}"
+        for n, a in zip(names, backends, strict=True)
+    ]
+    return f"""\
+global
+    maxconn {max_connections}
+    stats socket {admin_socket} mode 600 level admin
+{resolvers}
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    timeout tunnel 1h
+    timeout client-fin 5s
+    timeout http-request 10s
+    retries 3
+    retry-on conn-failure
+    option redispatch 1
+    errorfile 503 {error_page}
+
+frontend api
+    bind {bind}
+    default_backend api
+
+frontend stats
+    bind {stats_bind}
+    http-request use-service prometheus-exporter if {{ path /metrics }}
+    stats enable
+    stats uri /
+
+backend api
+    balance leastconn
+    option allbackups
+    option httpchk GET /health
+    http-check expect status 200
+    # (a node's name that does not resolve yet, a container not started: down until it does)
+    default-server inter {CHECK_INTERVAL_MS} fall {FALL} rise {RISE} {addr}
+{chr(10).join(ready)}
+{chr(10).join(live)}
+
+# The same nodes checked for liveness only: the backups above follow these.
+backend live
+    option httpchk GET /health/live
+    http-check expect status 200
+    default-server inter {CHECK_INTERVAL_MS} fall {FALL} rise {RISE} {addr}
+{chr(10).join(f"    server {n} {a} check" for n, a in zip(names, backends, strict=True))}
+"""
+
+
+def error_page() -> bytes:
+    """The balancer's answer when no node is up: the API's error shape, `503`."""
+    body = UNAVAILABLE.encode()
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Retry-After: 2\r\nCache-Control: no-cache\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+
+
+# docker-compose.yml's balancer: its files, rendered by the function above (a test checks they
+# are; `python -m stack.local_lb` writes them again).
+COMPOSE_DIR = Path(__file__).parent / "compose"
+COMPOSE_NODES = ["api-1:8000", "api-2:8000"]
+
+
+def compose_files() -> dict[Path, bytes]:
+    config = haproxy_config(
+        bind="*:8000",
+        backends=COMPOSE_NODES,
+        admin_socket="/tmp/haproxy-admin.sock",
+        error_page="/usr/local/etc/haproxy/503.http",
+        stats_bind="*:8404",
+        max_connections=20000,
+        dns="127.0.0.11:53",  # Docker's own, on every container's network
+    )
+    return {COMPOSE_DIR / "haproxy.cfg": config.encode(), COMPOSE_DIR / "503.http": error_page()}
+
+
 class LoadBalancer:
     """HAProxy on `port`, balancing over the API nodes at `backends` (ports on 127.0.0.1)."""
 
@@ -72,69 +170,18 @@ class LoadBalancer:
         return self.data_dir / "admin.sock"
 
     def config(self) -> str:
-        error_page = self.data_dir / "503.http"
-        servers = [
-            f"    server api{i} 127.0.0.1:{port} check"
-            for i, port in enumerate(self.backends, start=1)
-        ]
-        backups = [
-            f"    server api{i}-live 127.0.0.1:{port} backup track live/api{i}"
-            for i, port in enumerate(self.backends, start=1)
-        ]
-        return f"""\
-global
-    maxconn {maxconn()}
-    stats socket {self.admin_socket} mode 600 level admin
-
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 60s
-    timeout server 60s
-    timeout tunnel 1h
-    timeout client-fin 5s
-    timeout http-request 10s
-    retries 3
-    retry-on conn-failure
-    option redispatch 1
-    errorfile 503 {error_page}
-
-frontend api
-    bind 127.0.0.1:{self.port}
-    default_backend api
-
-frontend stats
-    bind 127.0.0.1:{self.stats_port}
-    http-request use-service prometheus-exporter if {{ path /metrics }}
-    stats enable
-    stats uri /
-
-backend api
-    balance leastconn
-    option allbackups
-    option httpchk GET /health
-    http-check expect status 200
-    default-server inter {CHECK_INTERVAL_MS} fall {FALL} rise {RISE}
-{chr(10).join(servers)}
-{chr(10).join(backups)}
-
-# The same nodes checked for liveness only: the backups above follow these.
-backend live
-    option httpchk GET /health/live
-    http-check expect status 200
-    default-server inter {CHECK_INTERVAL_MS} fall {FALL} rise {RISE}
-{chr(10).join(f"    server api{i} 127.0.0.1:{p} check" for i, p in enumerate(self.backends, 1))}
-"""
+        return haproxy_config(
+            bind=f"127.0.0.1:{self.port}",
+            backends=[f"127.0.0.1:{port}" for port in self.backends],
+            admin_socket=str(self.admin_socket),
+            error_page=str(self.data_dir / "503.http"),
+            stats_bind=f"127.0.0.1:{self.stats_port}",
+            max_connections=maxconn(),
+        )
 
     def write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        body = UNAVAILABLE.encode()
-        (self.data_dir / "503.http").write_bytes(
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            b"Retry-After: 2\r\nCache-Control: no-cache\r\nConnection: close\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        (self.data_dir / "503.http").write_bytes(error_page())
         path = self.data_dir / "haproxy.cfg"
         path.write_text(self.config())
         return path
@@ -190,3 +237,9 @@ backend live
         if self.proc is not None:
             stop_process(self.proc, timeout=10)
             self.proc = None
+
+
+if __name__ == "__main__":
+    for path, content in compose_files().items():
+        path.write_bytes(content)
+        print(f"wrote {path}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,11 @@ SCHEMA_FILE = ROOT / "stack" / "compose" / "compose-spec.json"
 # The vendored file as shipped in check-jsonschema 0.39.0; update together with the README.
 SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
 
-INFRA_SERVICES = {"kafka", "postgres"}
-APP_SERVICES = {"migrate", "processor", "api", "projector", "cdc", "webhooks"}
+BROKERS = {"kafka-1", "kafka-2", "kafka-3"}
+SPARK = {"spark-master", "spark-worker-1", "spark-worker-2"}
+INFRA_SERVICES = {*BROKERS, "postgres", "lb", *SPARK}
+API_NODES = {"api-1", "api-2"}
+APP_SERVICES = {"migrate", "processor", *API_NODES, "projector", "cdc", "webhooks"}
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +104,8 @@ def test_compose_file_is_valid_against_compose_spec(
     [
         # A typo'd key inside a service (unevaluatedProperties: false).
         (
-            lambda doc: doc["services"]["api"].__setitem__(
-                "enviroment", doc["services"]["api"].pop("environment")
+            lambda doc: doc["services"]["api-1"].__setitem__(
+                "enviroment", doc["services"]["api-1"].pop("environment")
             ),
             "enviroment",
         ),
@@ -114,7 +118,7 @@ def test_compose_file_is_valid_against_compose_spec(
         ),
         # An unknown depends_on condition.
         (
-            lambda doc: doc["services"]["api"]["depends_on"]["migrate"].__setitem__(
+            lambda doc: doc["services"]["api-1"]["depends_on"]["migrate"].__setitem__(
                 "condition", "service_finished"
             ),
             "service_finished",
@@ -144,7 +148,7 @@ def test_every_app_service_uses_the_same_build_and_image(compose: dict[str, Any]
     builds = {json.dumps(services[name].get("build"), sort_keys=True) for name in APP_SERVICES}
     images = {services[name].get("image") for name in APP_SERVICES}
     assert len(builds) == 1 and len(images) == 1, (builds, images)
-    build = services["api"]["build"]
+    build = services["api-1"]["build"]
     assert build["context"] == "." and build["dockerfile"] == "Dockerfile"
     assert (ROOT / build["dockerfile"]).is_file()
     assert images != {None}
@@ -157,23 +161,28 @@ def test_app_commands(compose: dict[str, Any]) -> None:
     assert "logfold topics --create" in migrate_cmd
     assert services["migrate"]["restart"] == "no"
     assert services["processor"]["command"] == ["processor"]
-    assert services["api"]["command"][0] == "api"
+    for node in API_NODES:
+        assert services[node]["command"][:2] == ["api", "--host"]
     assert services["projector"]["command"] == ["projector"]
     assert services["cdc"]["command"] == ["cdc"]
     assert services["webhooks"]["command"] == ["webhooks"]
-    # Published on the loopback interface only, never on all of them.
-    assert services["api"]["ports"] == ["127.0.0.1:${LOGFOLD_API_HOST_PORT:-8000}:8000"]
+    # The API is the balancer's port, published on the loopback interface only; the nodes are
+    # reached through it.
+    assert services["lb"]["ports"] == ["127.0.0.1:${LOGFOLD_API_HOST_PORT:-8000}:8000"]
     for service in services.values():
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), port
-    assert "localhost:8000/health" in " ".join(services["api"]["healthcheck"]["test"])
+    for node in API_NODES:
+        assert "ports" not in services[node]
+        assert "localhost:8000/health/live" in " ".join(services[node]["healthcheck"]["test"])
 
 
 def test_app_environment(compose: dict[str, Any]) -> None:
     for name in APP_SERVICES:
         env = compose["services"][name]["environment"]
-        assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092", name
-        if name != "api":  # the API has a login of its own (test below)
+        assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka-1:9092,kafka-2:9092,kafka-3:9092", name
+        assert env["LOGFOLD_REPLICATION_FACTOR"] == "3", name
+        if name not in API_NODES:  # the API has a login of its own (test below)
             assert env["DATABASE_URL"].startswith("postgresql://logfold:${LOGFOLD_PG_PASSWORD:?")
             assert env["DATABASE_URL"].endswith("}@postgres:5432/logfold"), name
         # Required, with no fallback: Compose refuses to start without it, saying why.
@@ -187,16 +196,18 @@ def test_the_api_logs_in_as_the_reader_and_never_as_the_owner(compose: dict[str,
     made by `migrate`) reads the views and writes nothing; the owner's password is not in the
     API's environment at all."""
     services = compose["services"]
-    api, migrate = services["api"]["environment"], services["migrate"]["environment"]
-    url = api["LOGFOLD_API_DATABASE_URL"]
-    assert url.startswith("postgresql://logfold_api:${LOGFOLD_API_PG_PASSWORD:?"), url
-    assert url.endswith("}@postgres:5432/logfold"), url
-    assert "DATABASE_URL" not in api and "LOGFOLD_DATABASE_URL" not in api
-    assert not any("LOGFOLD_PG_PASSWORD" in str(value) for value in api.values()), api
+    migrate = services["migrate"]["environment"]
+    for node in API_NODES:
+        api = services[node]["environment"]
+        url = api["LOGFOLD_API_DATABASE_URL"]
+        assert url.startswith("postgresql://logfold_api:${LOGFOLD_API_PG_PASSWORD:?"), url
+        assert url.endswith("}@postgres:5432/logfold"), url
+        assert "DATABASE_URL" not in api and "LOGFOLD_DATABASE_URL" not in api
+        assert not any("LOGFOLD_PG_PASSWORD" in str(value) for value in api.values()), api
     # `logfold migrate` makes the login it is given (after the migrations that make the role).
     assert migrate["LOGFOLD_API_DATABASE_URL"] == url
     assert migrate["DATABASE_URL"].startswith("postgresql://logfold:${LOGFOLD_PG_PASSWORD:?")
-    for name in APP_SERVICES - {"api", "migrate"}:  # the writers keep the owner's login
+    for name in APP_SERVICES - API_NODES - {"migrate"}:  # the writers keep the owner's login
         assert "LOGFOLD_API_DATABASE_URL" not in services[name]["environment"], name
 
 
@@ -226,17 +237,82 @@ def test_postgres_has_logical_decoding(compose: dict[str, Any]) -> None:
     assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
 
 
-def test_kafka_is_single_node_kraft(compose: dict[str, Any]) -> None:
+def test_kafka_is_three_kraft_nodes_with_three_copies_written_to_two(
+    compose: dict[str, Any],
+) -> None:
     services = compose["services"]
     assert not any("zookeeper" in name.lower() for name in services)
-    kafka = services["kafka"]
-    assert kafka["image"] == "apache/kafka:4.1.1"
-    env = kafka["environment"]
-    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
-    assert not any("ZOOKEEPER" in key for key in env)
-    assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == 1
-    assert env["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"] == 1
-    assert "healthcheck" in kafka
+    voters = "1@kafka-1:9093,2@kafka-2:9093,3@kafka-3:9093"
+    ids, cluster_ids = set(), set()
+    for name in BROKERS:
+        kafka = services[name]
+        assert kafka["image"] == "apache/kafka:4.1.1"
+        env = kafka["environment"]
+        ids.add(env["KAFKA_NODE_ID"])
+        cluster_ids.add(env["CLUSTER_ID"])
+        assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+        assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == voters
+        assert env["KAFKA_ADVERTISED_LISTENERS"].startswith(f"PLAINTEXT://{name}:9092"), name
+        assert not any("ZOOKEEPER" in key for key in env)
+        for key in (
+            "KAFKA_DEFAULT_REPLICATION_FACTOR",
+            "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR",
+            "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR",
+        ):
+            assert env[key] == 3, (name, key)
+        assert env["KAFKA_MIN_INSYNC_REPLICAS"] == 2
+        assert env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == 2
+        assert env["KAFKA_UNCLEAN_LEADER_ELECTION_ENABLE"] == "false"
+        assert "healthcheck" in kafka
+    assert ids == {1, 2, 3} and len(cluster_ids) == 1
+
+
+def test_the_projector_runs_on_the_spark_standalone_master(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    master = services["spark-master"]
+    assert master["entrypoint"] == ["spark-class"]
+    assert master["command"][0] == "org.apache.spark.deploy.master.Master"
+    assert master["image"] == services["projector"]["image"]  # the image's own pyspark
+    slots = 0
+    for name in SPARK - {"spark-master"}:
+        worker = services[name]["command"]
+        assert worker[0] == "org.apache.spark.deploy.worker.Worker"
+        assert worker[-1] == "spark://spark-master:7077"
+        slots += int(worker[worker.index("--cores") + 1])
+    projector = services["projector"]
+    assert projector["environment"]["LOGFOLD_SPARK_MASTER"] == "spark://spark-master:7077"
+    assert "spark-master" in projector["depends_on"]
+    # Enough task slots for the real-time queries of the default deployment.
+    from config.settings import Settings
+    from projections.registry import JOINS, PROJECTIONS
+    from spark.event_pipeline import realtime_slots
+
+    assert slots >= realtime_slots(Settings(), list(PROJECTIONS.values()), list(JOINS.values()))
+
+
+def test_the_balancer_routes_to_both_api_nodes_as_the_local_one_does(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """stack/compose/ holds what stack/local_lb.py renders for the containers (one source for
+    both topologies), HAProxy itself accepts it, and it names every API node."""
+    from stack.local_lb import COMPOSE_NODES, compose_files
+
+    for path, content in compose_files().items():
+        assert path.read_bytes() == content, f"{path} is stale: `python -m stack.local_lb`"
+    assert {n.split(":")[0] for n in COMPOSE_NODES} == API_NODES
+    lb = compose["services"]["lb"]
+    assert lb["volumes"] == ["./stack/compose:/usr/local/etc/haproxy:ro"]
+    assert set(lb["depends_on"]) == API_NODES
+    config = (ROOT / "stack" / "compose" / "haproxy.cfg").read_text()
+    assert "option httpchk GET /health\n" in config
+    assert "option httpchk GET /health/live\n" in config
+    # HAProxy accepts it (its error page where the container mounts it, here in tmp_path).
+    from stack.local_lb import haproxy
+
+    local = tmp_path / "haproxy.cfg"
+    local.write_text(config.replace("/usr/local/etc/haproxy/", str(ROOT / "stack/compose") + "/"))
+    checked = subprocess.run([haproxy(), "-c", "-f", str(local)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_depends_on_targets_exist_and_gate_on_health(compose: dict[str, Any]) -> None:
@@ -247,7 +323,8 @@ def test_depends_on_targets_exist_and_gate_on_health(compose: dict[str, Any]) ->
             assert target != name
     for name in APP_SERVICES:
         deps = services[name]["depends_on"]
-        assert deps["kafka"]["condition"] == "service_healthy", name
+        for broker in BROKERS:
+            assert deps[broker]["condition"] == "service_healthy", name
         assert deps["postgres"]["condition"] == "service_healthy", name
         if name != "migrate":
             assert deps["migrate"]["condition"] == "service_completed_successfully", name
@@ -264,4 +341,4 @@ def test_named_volumes_are_declared(compose: dict[str, Any]) -> None:
             source = mount.split(":", 1)[0] if isinstance(mount, str) else mount.get("source")
             if source and not source.startswith((".", "/", "~", "$")):
                 assert source in declared, f"{name} mounts undeclared volume {source!r}"
-    assert {"kafka-data", "postgres-data"} <= declared
+    assert {"kafka-1-data", "kafka-2-data", "kafka-3-data", "postgres-data"} <= declared
