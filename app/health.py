@@ -20,7 +20,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from app.read_model import ReadModel
-from config.settings import Settings, kafka_fetch_bounds, slot_name
+from config.settings import PROJECTOR_BEAT_S, Settings, kafka_fetch_bounds, slot_name
 from config.topics import Topics
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ Check = Callable[[], dict[str, Status]]
 
 STALE_S = 60.0
 # Keys of a status that may name hosts, ports or data: for the logs and `admin` callers only.
-PRIVATE = ("error",)
+PRIVATE = ("error", "master")
 
 
 class HealthChecks:
@@ -68,6 +68,7 @@ class HealthChecks:
             checks["projections"] = lambda: {
                 f"projection:{name}": status for name, status in self.projections().items()
             }
+            checks["projector"] = self.projector
         return checks
 
     def reset(self) -> None:
@@ -114,6 +115,38 @@ class HealthChecks:
                     failed_at=lag["failed"]["at"],
                 )
         return each
+
+    def projector(self) -> dict[str, Status]:
+        """The projector's own status (spark/status.py), when one runs: down when it has not
+        written it for three beats (stopped, hung, cut off from Postgres) or has no Spark
+        executor left (its queries cannot run: a cluster's workers are gone); up otherwise,
+        saying which queries fold in micro-batches and why (fewer task slots than real-time
+        mode needs, for one)."""
+        assert self.read_model is not None
+        row = self.read_model.projector_status()
+        if row is None:
+            return {}
+        silent = row["age_s"] > 3 * PROJECTOR_BEAT_S
+        status: Status = {
+            "status": "down" if silent or row["executors"] == 0 else "up",
+            "master": row["master"],
+            "executors": row["executors"],
+            "slots": row["slots"],
+            "slots_needed": row["slots_needed"],
+            "queries": row["queries"],
+            "reported_seconds_ago": round(row["age_s"], 1),
+        }
+        if silent:
+            status["error"] = (
+                f"the projector has not reported for {row['age_s']:.0f} s: it stopped, hangs, "
+                "or cannot reach Postgres (its log says which)"
+            )
+        elif row["executors"] == 0:
+            status["error"] = (
+                f"the projector has no Spark executor: its queries cannot run until a worker "
+                f"of {row['master']} takes it on (start one, or see the master's UI)"
+            )
+        return {"projector": status}
 
     def cdc(self) -> Status:
         """The replication slot: is a CDC process attached, how far behind it is (bytes of WAL
@@ -235,6 +268,7 @@ class HealthMonitor:
         self._stopping = threading.Event()
         self._running: dict[str, threading.Thread] = {}  # checks that have not answered yet
         self._started_at: dict[str, float] = {}
+        self._reported: dict[str, set[str]] = {}  # each check's components at its last answer
 
     def start(self) -> None:
         with self._lock:
@@ -281,6 +315,11 @@ class HealthMonitor:
             observed = self._run(name, check)
             now = time.monotonic()
             with self._lock:
+                # A component its check no longer reports is gone (a projector stopped on
+                # purpose), not frozen at what it last was.
+                for gone in self._reported.get(name, set()) - set(observed):
+                    self._components.pop(gone, None)
+                self._reported[name] = set(observed)
                 for component, status in observed.items():
                     known = self._components.get(component)
                     if known is None:

@@ -167,6 +167,17 @@ class ReadModel:
             rows = conn.execute(sa.select(progress_table)).fetchall()
         return {r.projection: dict(r._mapping) for r in rows}
 
+    def projector_status(self) -> dict[str, Any] | None:
+        """The projector's last status (spark/status.py) and its age in seconds by the
+        database's clock (the projector's own), or None when no projector runs."""
+        query = sa.text(
+            "SELECT *, extract(epoch FROM now() - beat_at)::float AS age_s "
+            "FROM projector_status WHERE name = 'projector'"
+        )
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return dict(row._mapping) if row is not None else None
+
     def counted(self, fold: Fold) -> dict[str, int]:
         """The figures `fold`'s views declare (`View.counted`): rows meeting each condition."""
         found = {}

@@ -19,6 +19,9 @@ KAFKA_REQUEST_TIMEOUT_MS = 30_000
 # ends the wait at once (the broker answers a fetch as soon as it has one), so this sets only
 # how often an idle loop wakes, looks around and polls again: CPU at idle, not latency.
 IDLE_POLL_MS = 500
+# How often the projector writes its status (spark/status.py); /health calls it silent after
+# three of these are missed.
+PROJECTOR_BEAT_S = 5.0
 # How long changelogs keep every change, and then deletes (LOGFOLD_CDC_COMPACTION_LAG_MS,
 # LOGFOLD_CDC_DELETE_RETENTION_MS): a day each.
 CHANGELOG_KEEP_MS = 24 * 3600 * 1000

@@ -78,6 +78,9 @@ class EventPipeline:
         self.sink: EventSink | None = None
         self.running: Running | None = None
         self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
+        # Why the running query folds in micro-batches (None: it runs in real-time mode); the
+        # projector's status (spark/status.py) shows it.
+        self.micro_batches_why: str | None = "not started"
 
     def topic_names(self) -> list[str]:
         return sorted({t for p in self.projections for t in p.topic_names(self.topics)})
@@ -112,9 +115,13 @@ class EventPipeline:
         """Whether the live path runs in real-time mode: it has one, it is wanted, not failing
         on its own, and Spark has the task slots `realtime_slots` counts."""
         if self.realtime_mode is None:
+            self.micro_batches_why = "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
             return False
         need = realtime_partitions(self.settings, self.projections) + 2
-        return realtime_allowed(self.spark, self.settings, "events", self.realtime_failures, need)
+        self.micro_batches_why = realtime_refusal(
+            self.spark, self.settings, "events", self.realtime_failures, need
+        )
+        return self.micro_batches_why is None
 
     def checkpoint(self) -> str:
         """A fresh checkpoint for a query's start, or Spark would resume from its own offsets
@@ -135,7 +142,8 @@ class EventPipeline:
                 ensure_progress(conn, name)
             forget_failures(conn, names)  # a failed projection is given another chance
         self.realtime_failures = failures_after(self.running, self.realtime_failures)
-        if self.realtime_mode is not None and self.realtime():
+        if self.realtime():
+            assert self.realtime_mode is not None
             self.running = self.realtime_mode(self, self.sink).start()
             return self.running
         self.running = self.micro_batches(self.sink)
@@ -221,34 +229,47 @@ def failures_after(previous: Running | None, failures: int) -> int:
     return failures + 1 if failed else 0
 
 
-def realtime_allowed(
+def realtime_refusal(
     spark: SparkSession, settings: Settings, fold: str, failures: int, need: int
-) -> bool:
-    """Whether a live path (`fold`: events, joins) may run in real-time mode: wanted, its
-    query not failing on its own (`failures` starts in a row, fewer than
-    MAX_REALTIME_FAILURES), and Spark has the `need`ed task slots. Logs why not."""
+) -> str | None:
+    """Why a live path (`fold`: events, joins) may not run in real-time mode, or None when it
+    may: it is wanted, its query is not failing on its own (`failures` starts in a row, fewer
+    than MAX_REALTIME_FAILURES), and Spark has the `need`ed task slots. Logs why not."""
     if not settings.spark_realtime:
-        return False
+        return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
     if failures >= MAX_REALTIME_FAILURES:
-        log.warning(
-            "folding %s in micro-batches: the real-time query failed %d times in a row on its "
-            "own (see the errors above); the projector tries real-time mode again when it "
-            "restarts",
-            fold,
-            failures,
+        why = (
+            f"the real-time query failed {failures} times in a row on its own (see the "
+            "projector's errors); it tries real-time mode again when it restarts"
         )
-        return False
-    have = spark.sparkContext.defaultParallelism
+        log.warning("folding %s in micro-batches: %s", fold, why)
+        return why
+    have = available_slots(spark)
     if have < need:
-        log.warning(
-            "folding %s in micro-batches: real-time mode needs %d task slots (one per partition "
-            "read, two more for other jobs) and Spark has %d",
-            fold,
-            need,
-            have,
+        why = (
+            f"real-time mode needs {need} task slots (one per partition read, two more for "
+            f"other jobs) and Spark has {have}"
         )
-        return False
-    return True
+        log.warning("folding %s in micro-batches: %s", fold, why)
+        return why
+    return None
+
+
+def available_slots(spark: SparkSession) -> int:
+    """The task slots Spark's executors offer now: the cores of the local master, or those
+    of the executors registered with a cluster's (none while it has none; Spark's own
+    `defaultParallelism` says 2 then)."""
+    context = spark.sparkContext
+    if (context.master or "").startswith("local") or executors(spark) > 0:
+        return int(context.defaultParallelism)
+    return 0
+
+
+def executors(spark: SparkSession) -> int:
+    """Executors registered with the driver now (the driver itself not counted): on a local
+    master, none; on a cluster, those its workers run for this application."""
+    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
+    return max(int(status.size()) - 1, 0)
 
 
 def realtime_slots(

@@ -44,7 +44,7 @@ from config.topics import Topics
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
-from spark.event_pipeline import RealtimeMode, Running, failures_after, realtime_allowed
+from spark.event_pipeline import RealtimeMode, Running, failures_after, realtime_refusal
 from spark.gaps import Gaps, check_gaps, skipped
 from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
@@ -325,6 +325,7 @@ class JoinPipeline:
         self.sink: JoinSink | None = None
         self.running: Running | None = None
         self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
+        self.micro_batches_why: str | None = "not started"  # (as EventPipeline's)
         self.realtime_mode = realtime_mode
 
     def starting_offsets(self) -> str:
@@ -344,12 +345,16 @@ class JoinPipeline:
         log.warning("join %s rebuilt: %s rows", join.name, report.rows.get(join.name))
 
     def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode (`realtime_allowed`): its query needs
+        """Whether the live path runs in real-time mode (`realtime_refusal`): its query needs
         a task slot per changelog read besides the ones other real-time queries hold."""
         if self.realtime_mode is None:
+            self.micro_batches_why = "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
             return False
         need = self.beside + len(self.tables) + 2
-        return realtime_allowed(self.spark, self.settings, "joins", self.realtime_failures, need)
+        self.micro_batches_why = realtime_refusal(
+            self.spark, self.settings, "joins", self.realtime_failures, need
+        )
+        return self.micro_batches_why is None
 
     def start(self) -> Running:
         """Start the live pipeline from the joins' progress (a restart resumes the same way):
@@ -366,7 +371,8 @@ class JoinPipeline:
         self.sink = JoinSink(self.joins, url, self.tables, gaps, self.rebuild)
         full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
         self.realtime_failures = failures_after(self.running, self.realtime_failures)
-        if self.realtime_mode is not None and self.realtime():
+        if self.realtime():
+            assert self.realtime_mode is not None
             self.running = self.realtime_mode(self, self.sink).start()
         else:
             self.running = self.micro_batches(self.sink, catch_up=False)

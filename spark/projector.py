@@ -33,6 +33,7 @@ from spark.event_pipeline import EventPipeline, Running, realtime_partitions, re
 from spark.join import JoinPipeline
 from spark.realtime import RealTimeEvents, RealTimeJoins
 from spark.session import quiet_stop, session
+from spark.status import StatusBeat
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ MAX_PAUSE_S = 30.0
 
 
 class Pipeline(Protocol):
+    micro_batches_why: str | None  # why it folds in micro-batches; None: in real-time mode
+
     def start(self) -> Running: ...
 
 
@@ -110,6 +113,21 @@ class Projector:
             )
         self.queries: dict[str, Running] = {}
         self._stopping = threading.Event()
+        needed = realtime_slots(settings, chosen, joined) if realtime else 0
+        self.status = StatusBeat(settings, self.spark, self.query_status, needed)
+
+    def query_status(self) -> dict[str, dict[str, object]]:
+        """Each query's mode as the projector's status shows it (spark/status.py)."""
+        shown: dict[str, dict[str, object]] = {}
+        for name, pipeline in self.pipelines.items():
+            query = self.queries.get(name)
+            why = pipeline.micro_batches_why
+            shown[name] = {
+                "mode": "real-time" if why is None else "micro-batch",
+                "active": bool(query is not None and query.isActive),
+                **({"why": why} if why is not None else {}),
+            }
+        return shown
 
     def start(self, name: str) -> Running:
         # Each query's jobs run in a scheduler pool of its own, so neither waits behind the other.
@@ -123,6 +141,7 @@ class Projector:
         for name in self.pipelines:
             self.start(name)
         log.info("projector running: %s", ", ".join(self.queries))
+        self.status.start()
         failures: dict[str, int] = {}
         restart_at: dict[str, float] = {}
         try:
@@ -144,6 +163,7 @@ class Projector:
                         del restart_at[name]
                         self.start(name)
         finally:
+            self.status.stop(remove=self._stopping.is_set())
             if self._stopping.is_set() and self._own_spark:
                 quiet_stop(self.spark, self.settings)
             for query in self.queries.values():

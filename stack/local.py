@@ -203,7 +203,9 @@ class LocalStack:
         }
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, **self.endpoints()}
+        # On a Spark cluster the executors run this Python (with Logfold's packages) too.
+        spark = {"PYSPARK_PYTHON": sys.executable} if self.spark is not None else {}
+        return {**os.environ, **self.endpoints(), **spark}
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start `logfold <args>` as the child `name`: its output relayed, prefixed; its logs

@@ -5,7 +5,7 @@ the records removed from the log before it could apply them."""
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, DateTime, Index, Table, Text, func
+from sqlalchemy import BigInteger, Column, DateTime, Index, Integer, Table, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 
 from projections import metadata
@@ -27,6 +27,21 @@ table = Table(
     # all, and the last few ranges ("partition", "from_offset", "to_offset", "detected_at").
     Column("lost_offsets", BigInteger, nullable=False, server_default="0"),
     Column("data_loss", JSONB),
+)
+
+# The projector's own status (spark/status.py), written by its driver every few seconds: its
+# Spark master, executors and task slots, the slots its real-time queries need, each query's
+# mode. /health reads it (component `projector`).
+projector_status = Table(
+    "projector_status",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("master", Text, nullable=False),
+    Column("executors", Integer, nullable=False),
+    Column("slots", Integer, nullable=False),
+    Column("slots_needed", Integer, nullable=False),
+    Column("queries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("beat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 # Postgres notifies this channel whenever progress rows are written (a trigger, migration
