@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -55,6 +55,10 @@ CLUSTER_BROKERS = 3
 CLUSTER_WORKERS = 2
 CLUSTER_API_NODES = 2
 CLUSTER_PROCESSORS = 2
+# A child that exits is started again (as a process supervisor would: CDC holds the one
+# replication slot, a processor its partitions), unless it exited this often this recently:
+# then something is wrong that a restart does not fix, and the stack stops, saying so.
+RESTARTS, RESTART_WINDOW_S = 5, 300.0
 
 log = logging.getLogger("logfold")
 _output_lock = threading.Lock()
@@ -93,6 +97,8 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     relay: logs.Relay
+    args: tuple[str, ...] = ()
+    exits: list[float] = field(default_factory=list)  # when it exited and was started again
 
 
 def load_or_create_secret(path: Path) -> str:
@@ -222,8 +228,28 @@ class LocalStack:
         )
         assert proc.stdout is not None
         relay = logs.Relay(name, proc.stdout, _write, debug=logs.is_debug(self.settings.log_level))
-        self.children.append(Child(name, proc, relay))
+        self.children.append(Child(name, proc, relay, args))
         return proc
+
+    def supervise(self) -> None:
+        """Start again each child that exited; raise when one keeps exiting."""
+        now = time.monotonic()
+        for i, child in enumerate(self.children):
+            code = child.proc.poll()
+            if code is None:
+                continue
+            recent = [t for t in child.exits if now - t < RESTART_WINDOW_S] + [now]
+            if len(recent) > RESTARTS:
+                raise RuntimeError(
+                    f"{child.name} exited with {code} {len(recent)} times in "
+                    f"{RESTART_WINDOW_S:.0f} s (its lines above say why)"
+                )
+            child.relay.join(5.0)
+            self.say(f"{child.name} exited with {code}; starting it again")
+            self.spawn(child.name, *child.args)
+            restarted = self.children.pop()
+            restarted.exits = recent
+            self.children[i] = restarted
 
     def start_processes(self) -> None:
         s = self.settings
@@ -401,9 +427,7 @@ Ctrl-C stops everything; data stays in {settings.data_path} (`logfold reset` wip
         pulse = Pulse(settings, f"{base}/health")
         pulse.start()
         while not stopped.wait(0.5):
-            for child in stack.children:
-                if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}")
+            stack.supervise()
     except KeyboardInterrupt:
         pass
     finally:

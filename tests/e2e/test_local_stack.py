@@ -25,13 +25,14 @@ from tests.support import REPO, log_of
 pytestmark = pytest.mark.e2e
 
 
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (the local broker's controller listens on p + 1)."""
+def free_port_pair(count: int = 2) -> int:
+    """A port p with the `count - 1` after it free too (the local broker's controller listens
+    on p + 1; the cluster's brokers on p, p + 2, p + 4, its API nodes after the API's port)."""
     for _ in range(50):
         port = free_port()
-        if port < 65535 and not port_open(port + 1):
+        if port + count <= 65535 and not any(port_open(port + i) for i in range(1, count)):
             return port
-    raise RuntimeError("no free port pair")
+    raise RuntimeError(f"no {count} free ports in a row")
 
 
 def as_a_background_job() -> None:
@@ -42,8 +43,12 @@ def as_a_background_job() -> None:
 
 
 class RunningStack:
-    def __init__(self, data_dir: Path) -> None:
-        self.kafka_port, self.pg_port, self.api_port = free_port_pair(), free_port(), free_port()
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        self.args = args  # `logfold run`'s own (`--cluster`)
+        cluster = "--cluster" in args
+        self.kafka_port = free_port_pair(6 if cluster else 2)
+        self.pg_port = free_port()
+        self.api_port = free_port_pair(3) if cluster else free_port()
         self.env = {
             k: v
             for k, v in os.environ.items()
@@ -63,10 +68,10 @@ class RunningStack:
         self.interrupted_at = 0  # how many lines it had printed when it was interrupted
         self.proc: subprocess.Popen[str] | None = None
 
-    def start(self) -> str:
+    def start(self, timeout: float = 180) -> str:
         self.output = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stack.cli", "run"],
+            [sys.executable, "-m", "stack.cli", "run", *self.args],
             cwd=REPO,
             env=self.env,
             stdout=subprocess.PIPE,
@@ -80,7 +85,7 @@ class RunningStack:
         try:
             wait_until(
                 lambda: any("export TOKEN=" in line for line in self.output),
-                180,
+                timeout,
                 "`logfold run` to print its token",
             )
         except TimeoutError as e:
@@ -164,6 +169,7 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     assert '"status":"up"' in out.stdout, said
 
     second_terminal(stack, data_dir)
+    cdc_is_started_again_after_kill_9(stack, token)
 
     assert stack.interrupt() == 0, stack.tail()
     a_terminal_a_person_can_read(stack)
@@ -230,6 +236,46 @@ def cli(
         text=True,
         timeout=120,
     )
+
+
+def cdc_is_started_again_after_kill_9(stack: RunningStack, token: str) -> None:
+    """`kill -9` of the CDC process: `logfold run` starts it again, says so, and view changes
+    go on reaching the change feeds (which CDC's changelogs feed)."""
+    assert stack.proc is not None
+    cdc = _child(stack.proc.pid, "stack.cli cdc")
+    assert cdc > 0, "no CDC process under `logfold run`"
+    os.kill(cdc, signal.SIGKILL)
+    wait_until(
+        lambda: any("cdc exited with -9; starting it again" in line for line in stack.output),
+        30,
+        "the restart's line",
+    )
+    run = stack.proc.pid
+    wait_until(lambda: _child(run, "stack.cli cdc") not in (0, cdc), 30, "a new CDC process")
+    auth = {"Authorization": f"Bearer {token}"}
+    name = f"after-{uuid.uuid4().hex[:6]}"
+    feed = f"{stack.base}/views/customers/changes"
+    start = requests.get(feed, params={"name": name}, headers=auth, timeout=30).json()["next"]
+    posted = requests.post(
+        f"{stack.base}/commands/register-customer",
+        json={"data": {"name": name, "email": "after@example.com"}},
+        headers=auth,
+        timeout=30,
+    )
+    assert posted.status_code == 201, posted.text
+    page = requests.get(
+        feed, params={"name": name, "since": start, "wait": 30}, headers=auth, timeout=60
+    ).json()
+    assert [c["row"]["name"] for c in page["changes"]] == [name], page
+
+
+def _child(parent: int, command: str) -> int:
+    """The pid of `parent`'s child whose command line holds `command` (0: none)."""
+    for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        if command in cmdline:
+            return int(pid)
+    return 0
 
 
 def second_terminal(stack: RunningStack, data_dir: Path) -> None:

@@ -210,6 +210,9 @@ def test_a_late_payment_is_kept_out_of_windows_but_counted_and_reported(
     assert 'logfold_late_events{component="projection:sales_by_hour"} 1.0' in metrics
 
 
+WRITE_RATE = 20  # commands a second while the rebuild runs
+
+
 def test_rebuild_all_verify_while_commands_flow(
     workload: Workload, procs: Processes, deployment: Settings
 ) -> None:
@@ -224,7 +227,9 @@ def test_rebuild_all_verify_while_commands_flow(
             seen.append(row_counts(deployment))
 
     def write() -> None:
-        while not stop.is_set():
+        # Paced (WRITE_RATE a second): a writer as fast as it can go makes the log grow as
+        # fast as the rebuild folds it, and the test as long as the machine is slow.
+        while not stop.wait(1 / WRITE_RATE):
             workload.step()
 
     threads = [threading.Thread(target=read), threading.Thread(target=write)]
