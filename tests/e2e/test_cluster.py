@@ -17,9 +17,11 @@ from kafka.admin import KafkaAdminClient
 from stack.procs import port_open, wait_until
 from tests.e2e.test_local_stack import RunningStack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+START_S = 480  # three brokers, Spark, and the projector's warm-up, on a slow machine
 
-START_S = 600  # three brokers, Spark, and the projector's warm-up, on a slow machine
+# The fixture's start counts against its first test's timeout: past START_S, the stack's
+# last lines are shown, not pytest-timeout's stack of the wait.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(START_S + 240)]
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,11 @@ Ctrl-C, a restart that keeps the data, and `logfold reset`."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +21,7 @@ import pytest
 import requests
 
 from config.settings import Settings
-from stack.procs import free_port, port_open, wait_until
+from stack.procs import port_open, wait_until
 from tests.support import REPO, log_of
 
 pytestmark = pytest.mark.e2e
@@ -27,12 +29,27 @@ pytestmark = pytest.mark.e2e
 
 def free_port_pair(count: int = 2) -> int:
     """A port p with the `count - 1` after it free too (the local broker's controller listens
-    on p + 1; the cluster's brokers on p, p + 2, p + 4, its API nodes after the API's port)."""
-    for _ in range(50):
-        port = free_port()
-        if port + count <= 65535 and not any(port_open(port + i) for i in range(1, count)):
+    on p + 1; the cluster's brokers on p, p + 2, p + 4, its API nodes after the API's port).
+
+    Below the kernel's ephemeral range: these ports are bound only once the stack has started
+    its other parts, and a port the kernel hands out meanwhile (another part's `bind(0)`, a
+    client connection's own end) would take one of them."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, low - count)
+        if all(bindable(port + i) for i in range(count)):
             return port
     raise RuntimeError(f"no {count} free ports in a row")
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def as_a_background_job() -> None:
@@ -47,8 +64,8 @@ class RunningStack:
         self.args = args  # `logfold run`'s own (`--cluster`)
         cluster = "--cluster" in args
         self.kafka_port = free_port_pair(6 if cluster else 2)
-        self.pg_port = free_port()
-        self.api_port = free_port_pair(3) if cluster else free_port()
+        self.pg_port = free_port_pair(1)
+        self.api_port = free_port_pair(3 if cluster else 1)
         self.env = {
             k: v
             for k, v in os.environ.items()
@@ -84,14 +101,20 @@ class RunningStack:
         self._collector.start()
         try:
             wait_until(
-                lambda: any("export TOKEN=" in line for line in self.output),
-                timeout,
-                "`logfold run` to print its token",
+                self._printed_token, timeout, "`logfold run` to print its token", fail_fast=True
             )
-        except TimeoutError as e:
-            raise AssertionError(self.tail()) from e
+        except (TimeoutError, AssertionError) as e:
+            raise AssertionError(f"{e}; its last lines:\n{self.tail()}") from e
         line = next(line for line in self.output if "export TOKEN=" in line)
         return line.split("export TOKEN=", 1)[1].strip()
+
+    def _printed_token(self) -> bool:
+        if any("export TOKEN=" in line for line in self.output):
+            return True
+        assert self.proc is not None
+        code = self.proc.poll()  # a stack that stopped before it was up never prints it
+        assert code is None, f"`logfold run` exited with {code} before it was up"
+        return False
 
     def tail(self, lines: int = 40) -> str:
         """The last lines `logfold run` printed (its processes' warnings and errors), for a
