@@ -101,7 +101,10 @@ class ReadModel:
         )
         self._ends: tuple[float, dict[str, int]] = (0.0, {})
         self._lock = threading.Lock()
-        self._offsets: KafkaConsumer | None = None  # kept: a new client per call was costly
+        # Kept (a new client per call was costly): read_committed's ends are the last stable
+        # offsets, what folds can apply; read_uncommitted's the high watermarks.
+        self._offsets: KafkaConsumer | None = None
+        self._marks: KafkaConsumer | None = None
         self.signal = ProgressSignal(settings.api_database())
         self.waiters = Waiters(settings.max_waiters, settings.max_waiters_per_subject)
         self.slot = SlotWatch(self._slot_confirmed)
@@ -220,8 +223,12 @@ class ReadModel:
             return
         if position.offset < ends[key]:
             return
-        with self._lock:  # the cached end may be a second old: ask again before refusing
-            end = self._end_offsets([partition_of(key)])[key]
+        # The cached end may be a second old, and it is the last stable offset, which a
+        # command's transaction passes only once its commit markers are written, after its `201`
+        # (on a cluster, a few ms later; the wait is for that). A position is beyond the log only
+        # past what the log holds, committed or not: its high watermark.
+        with self._lock:
+            end = self._end_offsets([partition_of(key)], committed=False)[key]
         if position.offset >= end:
             raise BeyondTheLog(
                 f"the position is beyond the end of the log ({key} ends at offset {end}): "
@@ -283,24 +290,32 @@ class ReadModel:
             self._ends = (time.monotonic(), ends)
             return ends
 
-    def _end_offsets(self, partitions: list[TopicPartition]) -> dict[str, int]:
+    def _end_offsets(
+        self, partitions: list[TopicPartition], committed: bool = True
+    ) -> dict[str, int]:
         """The current end offsets of `partitions`, as "topic:partition" -> offset (under
-        `_lock`). The client is kept between calls, and dropped after a failure; a failed call
-        is tried once more on a new client (a broker may have closed the kept one's connection).
-        Whatever the client raises comes out as a KafkaError, which callers answer with `503`:
-        kafka-python lets other errors out too (a KeyError for a partition whose answer was lost
-        with its connection)."""
+        `_lock`): the last stable offsets, or with `committed=False` the high watermarks. The
+        clients are kept between calls, and dropped after a failure; a failed call is tried once
+        more on a new client (a broker may have closed the kept one's connection). Whatever the
+        client raises comes out as a KafkaError, which callers answer with `503`: kafka-python
+        lets other errors out too (a KeyError for a partition whose answer was lost with its
+        connection)."""
         for attempt in (1, 2):
-            if self._offsets is None:
-                self._offsets = KafkaConsumer(
+            client = self._offsets if committed else self._marks
+            if client is None:
+                client = KafkaConsumer(
                     bootstrap_servers=self.settings.kafka(),
                     metrics_enabled=False,
-                    isolation_level="read_committed",
+                    isolation_level="read_committed" if committed else "read_uncommitted",
                     request_timeout_ms=3000,
                     **kafka_fetch_bounds(),
                 )
+                if committed:
+                    self._offsets = client
+                else:
+                    self._marks = client
             try:
-                found = self._offsets.end_offsets(partitions)
+                found = client.end_offsets(partitions)
                 return {f"{tp.topic}:{tp.partition}": int(o) for tp, o in found.items()}
             except Exception as e:
                 self.close_offsets()
@@ -316,9 +331,10 @@ class ReadModel:
         self.close_offsets()
 
     def close_offsets(self) -> None:
-        if self._offsets is not None:
-            consumer, self._offsets = self._offsets, None
-            consumer.close()
+        clients, self._offsets, self._marks = (self._offsets, self._marks), None, None
+        for client in clients:
+            if client is not None:
+                client.close()
 
     def lag(self) -> dict[str, dict[str, Any]]:
         """Per fold (projection or join): records not yet applied (see `Fold.behind`), seconds

@@ -60,6 +60,19 @@ class CommandBus:
                     )
         return self._producer
 
+    def _drop_producer(self, broken: KafkaProducer) -> None:
+        """After a send the broker never acknowledged, the next command goes out on a new
+        producer (new metadata, a new producer id). kafka-python's idempotent producer can stay
+        stuck on a partition whose leader moved, every batch there expiring for minutes: seen
+        when a broker of a cluster was killed and came back."""
+        close = broken.close
+        with self._lock:
+            if self._producer is not broken:
+                return
+            self._producer = None
+        # Not from here: this runs on the producer's own sender thread, which close() joins.
+        threading.Thread(target=close, kwargs={"timeout": 0}, daemon=True).start()
+
     def new_message(self, **fields: object) -> CommandMessage:
         """A command addressed to this process's replies, expiring after the reply timeout."""
         return CommandMessage(
@@ -79,7 +92,8 @@ class CommandBus:
         try:
             partition = partition_for(msg.aggregate_id, self.settings.partitions)
             try:
-                sent = self._get_producer().send(
+                producer = self._get_producer()
+                sent = producer.send(
                     self.topics.commands,
                     key=msg.aggregate_id.encode(),
                     value=msg.encode(),
@@ -91,6 +105,7 @@ class CommandBus:
             # reached the broker; its reply, if it was decided in time, still reaches us, and
             # otherwise the command expires unapplied.
             sent.add_errback(failed.append)
+            sent.add_errback(lambda _: self._drop_producer(producer))
             try:
                 return future.result(timeout=self._past_deadline(msg))
             except TimeoutError as e:

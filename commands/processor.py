@@ -36,7 +36,7 @@ from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, ka
 from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
-from events.store import commit_within, committed_reader, drain
+from events.store import abort_within, commit_within, committed_reader, drain
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +220,14 @@ class PartitionOwner:
                 value=dumps({"next_offset": next_command}),
                 partition=self.partition,
             )
-            self.producer.flush()
+            # Bounded, as every wait here: a send the broker does not acknowledge fails the
+            # transaction (the delivery timeout), but a producer whose sender is stuck (a
+            # coordinator gone with its broker) would keep the partition's commands waiting.
+            wait = self.settings.kafka_timeout_s + 1
+            self.producer.flush(timeout=wait)
             touched = set()
             for future, offset in expected:
-                got = future.get()
+                got = future.get(timeout=wait)
                 if got.offset != offset:
                     raise OffsetsMoved(
                         f"{got.topic}[{got.partition}] gave offset {got.offset}, not {offset}: "
@@ -242,7 +246,7 @@ class PartitionOwner:
         except BaseException:
             # Fenced or broken: the caller throws this state away and restarts from Kafka.
             with contextlib.suppress(Exception):
-                self.producer.abort_transaction()
+                abort_within(self.producer, self.settings.kafka_timeout_s)
             raise
 
     def _decide(

@@ -20,13 +20,29 @@ def commit_within(producer: KafkaProducer, timeout_s: float) -> None:
     limit). Unacknowledged in time, the producer's sender is stopped, so nothing retries the
     commit later (the next producer's `init_transactions` settles it), and KafkaTimeoutError is
     raised: the outcome is unknown, since a broker that got the request completes it."""
-    result = producer._transaction_manager.begin_commit()
+    _end_within(producer, producer._transaction_manager.begin_commit(), timeout_s, "commit")
+
+
+def abort_within(producer: KafkaProducer, timeout_s: float) -> None:
+    """`producer.abort_transaction()`, bounded as `commit_within`: a transaction coordinator
+    that is gone (its broker killed) would keep kafka-python's waiting for ever. Not aborted in
+    time, the transaction is left to the next producer of its transactional id, whose
+    `init_transactions` aborts it, or to the coordinator's transaction timeout."""
+    _end_within(producer, producer._transaction_manager.begin_abort(), timeout_s, "abort")
+
+
+def _end_within(producer: KafkaProducer, result: Any, timeout_s: float, what: str) -> None:
     producer._sender.wakeup()
     if not result.wait(timeout_ms=int(timeout_s * 1000)):
-        with contextlib.suppress(Exception):
-            producer._sender.force_close()
-            producer._sender.join(timeout=timeout_s)
-        raise KafkaTimeoutError("the transaction's commit was not acknowledged in time")
+        stop_sending(producer, timeout_s)
+        raise KafkaTimeoutError(f"the transaction's {what} was not acknowledged in time")
+
+
+def stop_sending(producer: KafkaProducer, timeout_s: float) -> None:
+    """Stop `producer`'s sender thread at once: nothing it holds is sent or retried later."""
+    with contextlib.suppress(Exception):
+        producer._sender.force_close()
+        producer._sender.join(timeout=timeout_s)
 
 
 def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:

@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -101,6 +103,17 @@ class Child:
     exits: list[float] = field(default_factory=list)  # when it exited and was started again
 
 
+@dataclass
+class Node:
+    """A process of the services the stack started itself (a Kafka node, the Spark master or
+    a worker, the balancer): started again when it exits, as a child is."""
+
+    name: str
+    proc: Callable[[], subprocess.Popen[bytes] | None]
+    restart: Callable[[], None]  # starts it without waiting for it to be ready
+    exits: list[float] = field(default_factory=list)
+
+
 def load_or_create_secret(path: Path) -> str:
     """The local stack's token secret, created on first use atomically with mode 0600; two
     processes starting at once end up with the same one."""
@@ -136,6 +149,7 @@ class LocalStack:
         self.spark: SparkStandalone | None = None
         self.balancer: LoadBalancer | None = None
         self.children: list[Child] = []
+        self.nodes: list[Node] = []
         self.hurry = threading.Event()  # a second Ctrl-C: stop the children at once
 
     def _check_port(self, port: int, what: str, variable: str) -> None:
@@ -159,6 +173,8 @@ class LocalStack:
             )
             self.kafka = KafkaCluster(s.lib_path, data / "kafka", ports)
             self.kafka.start()
+            for node in self.kafka.nodes:
+                self._supervised(f"Kafka node {node.node_id}", node, node.launch)
             s.kafka_bootstrap_servers = self.kafka.bootstrap
             if "replication_factor" not in s.model_fields_set:
                 s.replication_factor = CLUSTER_BROKERS
@@ -167,12 +183,25 @@ class LocalStack:
             self.say(f"starting Kafka on 127.0.0.1:{s.kafka_port} (data in {data / 'kafka'})")
             self.kafka = LocalKafka(s.lib_path, data / "kafka", s.kafka_port, s.kafka_port + 1)
             self.kafka.start()
+            self._supervised("Kafka", self.kafka, self.kafka.launch)
             s.kafka_bootstrap_servers = self.kafka.bootstrap
         if self.cluster and "spark_master" not in s.model_fields_set:
             self.say(f"starting Spark: a standalone master and {CLUSTER_WORKERS} workers")
             self.spark = SparkStandalone(data / "spark", workers=CLUSTER_WORKERS)
             self.spark.start()
             s.spark_master = self.spark.url
+            spark = self.spark
+            self.nodes.append(
+                Node("the Spark master", lambda: spark.master_proc, spark.start_master)
+            )
+            for i in range(len(spark.workers)):
+                self.nodes.append(
+                    Node(
+                        f"Spark worker {i + 1}",
+                        partial(spark.workers.__getitem__, i),
+                        partial(spark.start_worker, i),
+                    )
+                )
         if not s.database_url:
             self._check_port(s.postgres_port, "Postgres", "LOGFOLD_POSTGRES_PORT")
             self.say(f"starting Postgres on 127.0.0.1:{s.postgres_port} (data in {data / 'pg'})")
@@ -232,24 +261,38 @@ class LocalStack:
         return proc
 
     def supervise(self) -> None:
-        """Start again each child that exited; raise when one keeps exiting."""
+        """Start again each child or node that exited; raise when one keeps exiting."""
         now = time.monotonic()
         for i, child in enumerate(self.children):
             code = child.proc.poll()
             if code is None:
                 continue
-            recent = [t for t in child.exits if now - t < RESTART_WINDOW_S] + [now]
-            if len(recent) > RESTARTS:
-                raise RuntimeError(
-                    f"{child.name} exited with {code} {len(recent)} times in "
-                    f"{RESTART_WINDOW_S:.0f} s (its lines above say why)"
-                )
+            recent = self._exited(child.name, code, child.exits, now)
             child.relay.join(5.0)
-            self.say(f"{child.name} exited with {code}; starting it again")
             self.spawn(child.name, *child.args)
             restarted = self.children.pop()
             restarted.exits = recent
             self.children[i] = restarted
+        for node in self.nodes:
+            proc = node.proc()
+            if proc is None or proc.poll() is None:
+                continue
+            node.exits = self._exited(node.name, proc.returncode, node.exits, now)
+            node.restart()
+
+    def _supervised(self, name: str, service: Any, restart: Callable[[], None]) -> None:
+        """Watch `service.proc` (a process the stack started itself); `restart` when it exits."""
+        self.nodes.append(Node(name, lambda: service.proc, restart))
+
+    def _exited(self, name: str, code: int, exits: list[float], now: float) -> list[float]:
+        recent = [t for t in exits if now - t < RESTART_WINDOW_S] + [now]
+        if len(recent) > RESTARTS:
+            raise RuntimeError(
+                f"{name} exited with {code} {len(recent)} times in "
+                f"{RESTART_WINDOW_S:.0f} s (its lines above say why)"
+            )
+        self.say(f"{name} exited with {code}; starting it again")
+        return recent
 
     def start_processes(self) -> None:
         s = self.settings
@@ -270,6 +313,7 @@ class LocalStack:
             self.say(f"starting the load balancer (HAProxy) on {s.api_host}:{s.api_port}")
             self.balancer = LoadBalancer(s.data_path / "cluster" / "lb", s.api_port, nodes)
             self.balancer.start()
+            self._supervised("the load balancer", self.balancer, self.balancer.start)
         else:
             self.spawn("api", "api", "--host", s.api_host, "--port", str(s.api_port))
         url = f"http://{s.api_host}:{s.api_port}/health"

@@ -52,6 +52,17 @@ class SparkStandalone:
         )
 
     def start(self, timeout: float = 120.0) -> None:
+        self.start_master()
+        wait_until(lambda: port_open(self.ui_port), timeout, f"the Spark master at {self.url}")
+        for i in range(len(self.workers)):
+            self.start_worker(i)
+        wait_until(
+            lambda: len(self.alive_workers()) == len(self.workers), timeout, "every Spark worker"
+        )
+
+    def start_master(self) -> None:
+        """Start the master (again: on the same ports, where its workers find it) without
+        waiting for it."""
         self.master_proc = self._spawn(
             "master",
             _spark_class(
@@ -59,12 +70,6 @@ class SparkStandalone:
                 *("--host", "127.0.0.1", "--port", str(self.port)),
                 *("--webui-port", str(self.ui_port)),
             ),
-        )
-        wait_until(lambda: port_open(self.ui_port), timeout, f"the Spark master at {self.url}")
-        for i in range(len(self.workers)):
-            self.start_worker(i)
-        wait_until(
-            lambda: len(self.alive_workers()) == len(self.workers), timeout, "every Spark worker"
         )
 
     def start_worker(self, i: int) -> None:

@@ -394,18 +394,26 @@ def drop_cdc_slot(settings: Settings, timeout: float = 30) -> None:
     wait_until(dropped, timeout, "the replication slot to be released")
 
 
+def descendants(parent: int) -> list[int]:
+    """Every live descendant of `parent`, children first."""
+    try:
+        kids = [int(k) for k in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def cmdline(pid: int) -> str:
+    """What process `pid` runs, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
 def kill_tree(pid: int) -> None:
     """kill -9 a process and its descendants (gunicorn's master and its workers)."""
     import signal
-
-    def descendants(parent: int) -> list[int]:
-        try:
-            kids = [
-                int(k) for k in Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-            ]
-        except OSError:
-            return []
-        return kids + [d for k in kids for d in descendants(k)]
 
     family = [pid, *descendants(pid)]
     for member in family:

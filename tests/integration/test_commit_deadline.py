@@ -18,6 +18,8 @@ from collections import Counter
 import pytest
 from flask import Flask
 from kafka import KafkaProducer
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.errors import KafkaTimeoutError
 
 from app import close_app, create_app
 from commands.messages import CommandMessage, Reply
@@ -31,7 +33,7 @@ from commands.processor import (
 from config.settings import Settings
 from config.topics import Topics
 from events.partitioning import partition_for
-from events.store import read_to_end
+from events.store import abort_within, read_to_end
 from stack.local_kafka import LocalKafka
 from stack.procs import wait_until
 from stack.topics import create_topics
@@ -204,3 +206,43 @@ def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Setting
         processing.join(timeout=60)
     assert [a.status for a in answers] == [504], answers
     assert not log_of(settings, "customer")
+
+
+def test_an_abort_the_coordinator_does_not_answer_is_given_up_not_waited_for(
+    own_broker: LocalKafka,
+) -> None:
+    """kafka-python waits for an abort without limit; a processor whose transaction failed
+    because its coordinator's broker went away would then hold its partitions (and its group's
+    rebalance) for ever. `abort_within` gives up after its timeout, and stops the producer."""
+    topic = f"abort-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=own_broker.bootstrap)
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    producer = KafkaProducer(
+        bootstrap_servers=own_broker.bootstrap,
+        transactional_id=f"abort-{uuid.uuid4().hex[:8]}",
+        max_block_ms=5000,
+    )
+    producer.init_transactions()
+    producer.begin_transaction()
+    producer.send(topic, b"x").get(30)
+    assert own_broker.proc is not None
+    own_broker.proc.send_signal(signal.SIGSTOP)
+    outcome: list[BaseException | None] = []
+
+    def abort() -> None:
+        try:
+            abort_within(producer, 2.0)
+            outcome.append(None)
+        except BaseException as e:  # what it raised is the test's subject
+            outcome.append(e)
+
+    try:
+        aborting = threading.Thread(target=abort, daemon=True)
+        aborting.start()
+        aborting.join(60)
+        assert not aborting.is_alive(), "abort_within waited past its timeout"
+        assert isinstance(outcome[0], KafkaTimeoutError), outcome
+    finally:
+        own_broker.proc.send_signal(signal.SIGCONT)
+        producer.close(timeout=5)

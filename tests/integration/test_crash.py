@@ -39,7 +39,7 @@ from tests.integration.load import (
     until_answered,
     version_problems,
 )
-from tests.support import HttpApi, Processes, log_of, new_deployment
+from tests.support import HttpApi, Processes, descendants, log_of, new_deployment
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -153,23 +153,6 @@ def start(base_settings: Settings, tmp_path: Path) -> tuple[Settings, Processes,
     urls = [procs.api()[1], procs.api()[1]]
     procs.wait_processing(urls[0], 2)
     return settings, procs, urls
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (an API process is a gunicorn master and its worker)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [c for c, p in parents.items() if p in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def sigkill(proc: subprocess.Popen[bytes]) -> list[int]:

@@ -733,6 +733,33 @@ def test_a_position_beyond_the_log_is_422_at_once(
             assert time.monotonic() - started < 10  # not the 30 s asked for
 
 
+def test_a_position_in_the_log_but_not_yet_committed_is_waited_for_not_refused(
+    client: FlaskClient, deployment: Settings, topics: Topics
+) -> None:
+    """A command's `201` comes once its transaction is committed, and its records become
+    readable (the last stable offset passes them) once the commit markers are written, a moment
+    later on a cluster: a read with that position in between waits, as for any position the
+    view has not reached; `422` is for positions past what the log holds."""
+    from kafka import KafkaProducer
+
+    cid = uid("ryw-uncommitted")
+    add_customer(deployment, cid)
+    producer = KafkaProducer(
+        bootstrap_servers=deployment.kafka(), transactional_id=uid("open"), acks="all"
+    )
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        sent = producer.send(topics.events("customer"), b"{}", key=cid.encode(), partition=2)
+        offset = sent.get(timeout=30).offset
+        position = LogPosition(topics.events("customer"), 2, offset).token()
+        r = client.get(f"/views/customers/{cid}?consistent_with={position}&wait=1", headers=READER)
+        error_of(r, 504, "timeout")
+        producer.abort_transaction()
+    finally:
+        producer.close()
+
+
 def test_waiting_reads_are_bounded_per_subject_and_process(
     client: FlaskClient, deployment: Settings, topics: Topics, model: ReadModel
 ) -> None:
