@@ -438,3 +438,18 @@ def health_component(
 
     wait_until(shown, timeout, f"/health's {name} to change (last: {seen.get(name)})")
     return dict(seen[name])
+
+
+def caught_up(settings: Settings, timeout: float = 120) -> None:
+    """Until every fold (projection and join) has applied the whole log."""
+    from app.read_model import ReadModel
+
+    model = ReadModel(settings)
+    try:
+        wait_until(
+            lambda: all(v["events"] == 0 for v in model.lag().values()),
+            timeout,
+            "every projection to catch up with the log",
+        )
+    finally:
+        model.engine.dispose()

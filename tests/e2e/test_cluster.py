@@ -1,13 +1,23 @@
 """`logfold run --cluster` (the README's `make cluster`): three Kafka nodes, a Spark standalone
 master with two workers running the projector, two command processors, two API nodes behind
 HAProxy, started by the one command on local ports, serving the README's requests through the
-balancer, and stopped by Ctrl-C."""
+balancer, and stopped by Ctrl-C.
+
+Between the first test and the last, faults on that one cluster, each under open-loop commands
+and websocket clients through the balancer (guarantee 28): kill -9 of the broker leading the
+busiest partitions, of the active controller, of a Spark worker, of an API node and of a command
+processor, and a broker hung (SIGSTOP) until the controller fenced it. The stack starts again
+what was killed, as it would in production (tests/e2e/faults.py has the load and the checks)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +25,18 @@ import requests
 from kafka.admin import KafkaAdminClient
 
 from stack.procs import port_open, wait_until
+from tests.e2e.faults import (
+    RATE,
+    Cluster,
+    OpenLoop,
+    Watched,
+    check_commands,
+    check_followers,
+    followed,
+)
 from tests.e2e.test_local_stack import RunningStack
+from tests.oracle import differences
+from tests.support import kill_tree
 
 START_S = 480  # three brokers, Spark, and the projector's warm-up, on a slow machine
 
@@ -81,6 +102,142 @@ def test_the_cluster_starts_with_one_command_and_serves_through_the_balancer(
         timeout=60,
     )
     assert row.status_code == 200 and row.json()["name"] == "Ada", row.text
+
+
+# ---- faults under load (guarantee 28): each test injects one while commands flow open-loop
+# through the balancer and two websocket clients follow a view through it; once the fault is
+# over, every answer's promise holds in the log, every view equals the independent fold of the
+# log, and each client got every change once, in order. ----
+
+SETTLE = 4 * RATE  # commands sent before the fault and again after it
+
+# Found by these tests and not fixed yet: now and then, after a broker of the cluster was
+# killed or hung under load, a customer's versions in the log have a gap (two consecutive
+# versions missing, later ones present), so guarantee 2 does not hold there yet. The tests run
+# and report (xfail, not strict: a pass shows as XPASS); see issue 45's notes.
+BROKER_GAP = pytest.mark.xfail(
+    reason="a version gap after a broker fault, now and then (issue 45)", strict=False
+)
+
+
+@pytest.fixture(scope="module")
+def faults(cluster: tuple[RunningStack, str]) -> Cluster:
+    return Cluster(*cluster)
+
+
+def under_load(cluster: Cluster, inject: Callable[[], str]) -> int:
+    """Run `inject` under load; check what followed. Returns how often the clients resumed."""
+    run = f"f{uuid.uuid4().hex[:6]}"
+    watched = Watched.register(cluster, run)
+    with followed(cluster, watched.name) as followers:
+        with OpenLoop(cluster, run, watched.ids) as load:
+            load.wait_sent(SETTLE)
+            what = inject()
+            load.wait_sent(len(load.sent) + SETTLE)
+        try:
+            answers = check_commands(cluster.settings, run, load.sent)
+            cluster.caught_up()
+            assert differences(cluster.settings) == {}
+            check_followers(cluster.settings, followers, watched.ids)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- the stack's last lines:\n{cluster.stack.tail()}") from e
+        resumed = sum(f.resumed for f in followers)
+    print(f"\n{what}; {len(load.sent)} commands ({answers}); clients resumed {resumed}x")
+    return resumed
+
+
+@BROKER_GAP
+def test_kill_9_of_the_leader_of_the_busiest_partitions(faults: Cluster) -> None:
+    def inject() -> str:
+        node = faults.leader_of_most("customer")
+        faults.kill_broker(node)
+        return f"kill -9 of Kafka node {node} (leader of the most customer partitions)"
+
+    under_load(faults, inject)
+
+
+@BROKER_GAP
+def test_kill_9_of_the_active_controller(faults: Cluster) -> None:
+    def inject() -> str:
+        node = faults.active_controller()
+
+        def new_leader() -> None:
+            wait_until(lambda: faults.active_controller() != node, 60, "another quorum leader")
+
+        faults.kill_broker(node, then=new_leader)
+        return f"kill -9 of Kafka node {node}, the active controller"
+
+    under_load(faults, inject)
+
+
+@BROKER_GAP
+def test_a_broker_hung_past_its_session_timeout_then_resumed(faults: Cluster) -> None:
+    """SIGSTOP: a node that does not answer, not a dead one (no restart); SIGCONT once the
+    controller has fenced it and moved its partitions' leadership away."""
+
+    def inject() -> str:
+        node = faults.leader_of_most("customer")
+        pid = faults.broker(node)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: faults.leader_of_most("customer") != node, 90, "leaders moved away")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(faults.in_sync, 180, "every partition back on three nodes")
+        return f"SIGSTOP of Kafka node {node} until fenced, then SIGCONT"
+
+    under_load(faults, inject)
+
+
+FRESHNESS_BOUND_S = 180  # from kill -9 of a Spark worker to views as fresh as before it
+
+
+def test_kill_9_of_a_spark_worker(faults: Cluster) -> None:
+    def inject() -> str:
+        customer = Watched.register(faults, f"w{uuid.uuid4().hex[:6]}", 1).ids[0]
+        before = sorted(faults.freshness(customer, n, "before") for n in range(5))
+        normal = max(before[-1] * 2, 1.0)  # the normal p99, with room for this VM's noise
+        pid = faults.spark_worker(1)
+        kill_tree(pid)  # the worker and its executor
+        killed = time.monotonic()
+        faults.restarted(pid, "deploy.worker.Worker", "worker-0")
+        streak: list[float] = []
+
+        def fresh_again() -> bool:
+            took = faults.freshness(customer, len(streak) + 5, "after")
+            streak.append(took)
+            return len(streak) >= 3 and all(t <= normal for t in streak[-3:])
+
+        wait_until(fresh_again, FRESHNESS_BOUND_S, f"reads as fresh as before ({normal:.2f} s)")
+        return (
+            f"kill -9 of Spark worker 1: freshness {before[-1]:.2f} s before, back under "
+            f"{normal:.2f} s {time.monotonic() - killed:.0f} s after the kill"
+        )
+
+    under_load(faults, inject)
+
+
+def test_kill_9_of_an_api_node(faults: Cluster) -> None:
+    def inject() -> str:
+        port = faults.stack.api_port + 1
+        pid = faults.api_node(port)
+        kill_tree(pid)  # gunicorn's master and its worker
+        faults.restarted(pid, *faults.API, f"--port {port}")
+        return f"kill -9 of API node :{port}"
+
+    # The balancer spreads the two clients over the two nodes: the one on the killed node
+    # connected again, through the balancer, and resumed.
+    assert under_load(faults, inject) >= 1
+
+
+def test_kill_9_of_a_command_processor(faults: Cluster) -> None:
+    def inject() -> str:
+        pid = faults.processors()[0]
+        kill_tree(pid)
+        wait_until(lambda: len(faults.processors()) == 2, 60, "the processor started again")
+        return "kill -9 of a command processor"
+
+    under_load(faults, inject)
 
 
 def test_ctrl_c_stops_the_whole_cluster(cluster: tuple[RunningStack, str]) -> None:

@@ -62,6 +62,7 @@ def as_a_background_job() -> None:
 class RunningStack:
     def __init__(self, data_dir: Path, *args: str) -> None:
         self.args = args  # `logfold run`'s own (`--cluster`)
+        self.data_dir = data_dir
         cluster = "--cluster" in args
         self.kafka_port = free_port_pair(6 if cluster else 2)
         self.pg_port = free_port_pair(1)

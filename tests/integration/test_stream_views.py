@@ -398,7 +398,7 @@ def test_kill_9_of_the_projector_mid_stream_counts_each_record_once(
     sender = threading.Thread(target=send)
     sender.start()
     try:
-        for _ in range(3):
+        for _ in range(2):
             before = applied(settings)
             wait_until(lambda b=before: applied(settings) > b + 100, 180, "more records applied")
             procs.kill_9_projector()

@@ -1,0 +1,399 @@
+"""Faults injected into the cluster `logfold run --cluster` started, under load (tests/e2e/
+test_cluster.py): its processes found by what they run, commands posted open-loop through the
+balancer (every other one with an Idempotency-Key), websocket clients that follow a view through
+the balancer and resume with `since` when their node goes, and the checks of what the log, the
+views and the clients hold once the fault is over."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import psycopg
+import requests
+import websocket
+from dotenv import dotenv_values
+from kafka.admin import KafkaAdminClient
+
+from config.settings import Settings
+from config.topics import Topics
+from stack.procs import wait_until
+from tests.changes import changelog, distinct
+from tests.e2e.test_local_stack import RunningStack
+from tests.integration.load import (
+    Clients,
+    Logical,
+    committed_problems,
+    send,
+    status_counts,
+    until_answered,
+    version_problems,
+)
+from tests.support import caught_up, cmdline, descendants, kill_tree, log_of
+from tests.wsclient import WsClient, fold
+
+RATE = 20  # commands a second, whatever the answers (open loop)
+WATCHED = 6  # customers whose changes the websocket clients follow
+GIVE_UP_S = 120  # a command with a key is sent again until answered, for this long at most
+
+
+@dataclass
+class Cluster:
+    """The running `logfold run --cluster` and what a test needs to reach into it."""
+
+    stack: RunningStack
+    token: str
+
+    @cached_property
+    def settings(self) -> Settings:
+        """The deployment's, as `logfold run` wrote them for other processes (stack.env)."""
+        env = dotenv_values(self.stack.data_dir / "stack.env")
+        return Settings(
+            kafka_bootstrap_servers=env["KAFKA_BOOTSTRAP_SERVERS"],
+            database_url=env["DATABASE_URL"],
+            topic_prefix=env["LOGFOLD_TOPIC_PREFIX"] or "",
+            partitions=int(env["LOGFOLD_PARTITIONS"] or 0),
+            jwt_secret=env["LOGFOLD_JWT_SECRET"],
+        )
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def pids(self, *needles: str) -> list[int]:
+        """The stack's processes whose command line holds every one of `needles`; of a
+        process and the children it forked (their command line is its own), the process."""
+        assert self.stack.proc is not None
+        found = descendants(self.stack.proc.pid)
+        matching = [pid for pid in found if all(n in cmdline(pid) for n in needles)]
+        forked = {kid for pid in matching for kid in descendants(pid)}
+        return [pid for pid in matching if pid not in forked]
+
+    def one(self, *needles: str) -> int:
+        found = self.pids(*needles)
+        assert len(found) == 1, f"{len(found)} processes run {needles}"
+        return found[0]
+
+    @staticmethod
+    def broker_needles(node_id: int) -> tuple[str, str]:
+        return ("kafka.Kafka", f"node-{node_id}/server.properties")
+
+    def broker(self, node_id: int) -> int:
+        return self.one(*self.broker_needles(node_id))
+
+    def kill_broker(self, node_id: int, then: Callable[[], None] = lambda: None) -> None:
+        """kill -9 of Kafka node `node_id`; `then` (while it is down); until the stack has
+        started it again and it is back in every partition's in-sync replicas."""
+        pid = self.broker(node_id)
+        kill_tree(pid)
+        then()
+        self.restarted(pid, *self.broker_needles(node_id))
+        self.back_in_sync(node_id)
+
+    def spark_worker(self, n: int) -> int:
+        return self.one("deploy.worker.Worker", f"worker-{n - 1}")
+
+    API = ("-m stack.", " api ")  # `stack.cli api`, which execs itself as `stack.patched api`
+
+    def api_node(self, port: int) -> int:
+        return self.one(*self.API, f"--port {port}")
+
+    def processors(self) -> list[int]:
+        return self.pids("stack.cli processor")
+
+    def restarted(self, old: int, *needles: str, timeout: float = 120) -> int:
+        """The process the stack started again in place of `old` (which it saw exit)."""
+        wait_until(lambda: any(p != old for p in self.pids(*needles)), timeout, f"{needles} again")
+        return next(p for p in self.pids(*needles) if p != old)
+
+    # ---- Kafka ----
+
+    def brokers(self) -> list[str]:
+        return self.settings.kafka().split(",")
+
+    def _described(self) -> list[dict[str, Any]]:
+        topics = Topics(self.settings.topic_prefix)
+        admin = KafkaAdminClient(bootstrap_servers=self.brokers(), request_timeout_ms=10_000)
+        try:
+            names = [t for t in admin.list_topics() if t.startswith(topics.prefix)]
+            return list(admin.describe_topics([*names, "__consumer_offsets"]))
+        finally:
+            admin.close()
+
+    def leader_of_most(self, *topics: str) -> int:
+        """The node leading the most partitions of `topics` (the busiest: the load's)."""
+        names = {Topics(self.settings.topic_prefix).events(t) for t in topics}
+        leaders = Counter(
+            p["leader"] for t in self._described() if t["topic"] in names for p in t["partitions"]
+        )
+        return leaders.most_common(1)[0][0]
+
+    def active_controller(self) -> int:
+        """The KRaft quorum's leader, as the nodes recorded it last (the newest epoch wins)."""
+        latest: tuple[int, int] = (-1, -1)
+        for state in (self.stack.data_dir / "cluster" / "kafka").glob(
+            "node-*/log/__cluster_metadata-0/quorum-state"
+        ):
+            s = json.loads(state.read_text())
+            if s.get("leaderId", -1) >= 0:
+                latest = max(latest, (s["leaderEpoch"], s["leaderId"]))
+        assert latest[1] > 0, "no node has recorded a quorum leader"
+        return latest[1]
+
+    def in_sync(self) -> bool:
+        """Every partition of the deployment (and of the group offsets) on all three nodes."""
+        described = self._described()
+        short = [p for t in described for p in t["partitions"] if len(p["isr"]) < 3]
+        return bool(described) and not short
+
+    def back_in_sync(self, node: int, timeout: float = 180) -> None:
+        """Once `node` is out of the partitions' in-sync replicas (fenced: the controller
+        noticed it stopped), until it is back in all of them (it caught up)."""
+        wait_until(lambda: not self.in_sync(), 60, f"Kafka node {node} fenced")
+        wait_until(self.in_sync, timeout, "every partition back on three nodes")
+
+    # ---- the views ----
+
+    def caught_up(self, timeout: float = 180) -> None:
+        caught_up(self.settings, timeout)
+
+    def view_row(self, customer: str) -> dict[str, Any]:
+        r = requests.get(
+            f"{self.stack.base}/views/customers/{customer}", headers=self.auth, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def freshness(self, customer: str, n: int, run: str) -> float:
+        """Seconds from a command's `201` to the view including it (read with the position it
+        answered), through the balancer."""
+        api = Clients([self.stack.base], self.token).api(self.stack.base)
+        answer = api.command(
+            "change-customer-email",
+            {"email": f"{run}-fresh-{n}@example.com"},
+            aggregate_id=customer,
+            key=f"{run}-fresh-{n}",
+        )
+        assert answer.status in (200, 201), answer.body
+        started = time.monotonic()
+        read = api.get(
+            f"/views/customers/{customer}",
+            params={"consistent_with": answer.body["position"], "wait": 30},
+            headers=self.auth,
+        )
+        took = time.monotonic() - started
+        return took if read.status_code == 200 else float("inf")
+
+
+# ---- the load ----
+
+
+class OpenLoop:
+    """Commands at `rate` a second through the balancer, whatever their answers: registrations
+    and email changes of the watched customers, each with an email of its own (what finds it in
+    the log). Every other one has an Idempotency-Key and is sent again with it until answered;
+    the others are sent once, and their answer is what the test holds the API to."""
+
+    def __init__(self, cluster: Cluster, run: str, watched: list[str], rate: float = RATE):
+        self.cluster, self.run, self.watched, self.rate = cluster, run, watched, rate
+        self.clients = Clients([cluster.stack.base], cluster.token)
+        self.sent: list[Logical] = []
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(64, thread_name_prefix="open-loop")
+        self._futures: list[Future[None]] = []
+        self._thread = threading.Thread(target=self._schedule, name="open-loop", daemon=True)
+        self.give_up_at = time.monotonic() + GIVE_UP_S
+
+    def __enter__(self) -> OpenLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def _schedule(self) -> None:
+        started = time.monotonic()
+        for i in range(10**9):
+            if self._stop.wait(max(0.0, started + i / self.rate - time.monotonic())):
+                return
+            self.give_up_at = time.monotonic() + GIVE_UP_S
+            cmd = self._command(i)
+            self.sent.append(cmd)
+            self._futures.append(self._pool.submit(self._send, cmd))
+
+    def _command(self, i: int) -> Logical:
+        email, key = f"{self.run}-{i}@example.com", f"{self.run}-{i}" if i % 2 == 0 else None
+        if i % 4 < 2:
+            data = {"name": f"{self.run} {i}", "email": email}
+            return Logical(i, "register-customer", data, key=key)
+        customer = self.watched[i % len(self.watched)]
+        return Logical(i, "change-customer-email", {"email": email}, aggregate_id=customer, key=key)
+
+    def _send(self, cmd: Logical) -> None:
+        if cmd.key is None:
+            cmd.attempts.append(send(self.clients.api(self.cluster.stack.base), cmd))
+        else:
+            until_answered(self.clients, cmd, 0, time.monotonic() + GIVE_UP_S, cmd.attempts)
+
+    def wait_sent(self, n: int, timeout: float = 60) -> None:
+        wait_until(lambda: len(self.sent) >= n, timeout, f"{n} commands sent")
+
+    def stop(self, timeout: float = GIVE_UP_S + 60) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        done, pending = wait(self._futures, timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        assert not pending, f"{len(pending)} commands still unanswered after {timeout:.0f} s"
+        for future in done:
+            future.result()
+
+
+def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
+    """Every command with a key got a `201` (or its replay) and is in the log once; one without
+    is in the log once if answered `201`, never if answered `503` or a `4xx`, at most once if
+    answered `504` or not at all (API.md); the versions of the run's customers stay dense.
+    Returns the answers counted."""
+    everything = log_of(settings, "customer")
+    ours = {e.aggregate_id for e in everything if e.data.get("email", "").startswith(f"{run}-")}
+    log = [e for e in everything if e.aggregate_id in ours]
+    assert not version_problems(log), version_problems(log)[:10]
+    by_email: dict[str, list[Any]] = defaultdict(list)
+    for e in log:
+        if "email" in e.data:
+            by_email[e.data["email"]].append(e)
+    problems = []
+    for cmd in sent:
+        final, found = cmd.final, len(by_email.get(cmd.data["email"], []))
+        status = final.status if final is not None else None
+        if status in (200, 201):
+            allowed = (1, 1)
+        elif status in (None, 504):  # no outcome: applied or not, never twice
+            allowed = (0, 1)
+        else:  # 503 (nothing written), a 4xx
+            allowed = (0, 0)
+        if cmd.key is not None and not cmd.committed:
+            problems.append(f"a command with a key was never applied: {cmd.describe()}")
+        elif not allowed[0] <= found <= allowed[1]:
+            problems.append(f"answered {status}, in the log {found}x: {cmd.describe()}")
+    bodies = [c.final.body for c in sent if c.committed and c.final is not None]
+    problems += committed_problems(log, bodies)
+    counts = status_counts(sent)
+    assert not problems, f"{len(problems)} problems ({dict(counts)}):\n" + "\n".join(problems[:20])
+    return ", ".join(f"{k}: {n}" for k, n in sorted(counts.items()))
+
+
+# ---- websocket clients ----
+
+
+class Follower:
+    """A websocket client of `customers` rows named `name`, through the balancer. When its
+    connection drops (its node killed, or draining) it connects again through the balancer and
+    resumes with `since`, as a client of the API should; it keeps every message it got."""
+
+    def __init__(self, cluster: Cluster, name: str) -> None:
+        self.url = cluster.stack.base.replace("http://", "ws://") + "/ws"
+        self.token, self.name = cluster.token, name
+        self.earlier: list[dict[str, Any]] = []
+        self.resumed = 0
+        self.client = self._connect(None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _connect(self, since: str | None) -> WsClient:
+        client = WsClient(self.url, self.token)
+        client.subscribe("s", "customers", {"name": self.name}, since=since)
+        return client
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            if self.client.close_code is None:
+                continue
+            self.earlier += self.client.of("s")
+            since = next((m["position"] for m in reversed(self.earlier) if "position" in m), None)
+            try:
+                self.client = self._connect(since)
+                self.resumed += 1
+            except (websocket.WebSocketException, OSError):
+                continue  # the balancer has no node up this instant: again at the next tick
+
+    def messages(self) -> list[dict[str, Any]]:
+        return self.earlier + self.client.of("s")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.client.close()
+
+
+def check_followers(settings: Settings, followers: list[Follower], keys: list[str]) -> None:
+    """Each follower, over all its connections, holds the watched rows as the table has them,
+    got each change of the changelog once and in order, and was never sent a snapshot again
+    (it resumed)."""
+    with psycopg.connect(settings.database()) as conn:
+        rows = conn.execute(
+            "SELECT customer_id, email, version FROM customers WHERE customer_id = ANY(%s)", (keys,)
+        )
+        table = {r[0]: (r[1], r[2]) for r in rows}
+    logged: dict[str, list[int]] = defaultdict(list)
+    for change in distinct(changelog(settings, "customers")):
+        if change.row is not None and change.key["customer_id"] in table:
+            logged[change.key["customer_id"]].append(change.row["version"])
+
+    def holds_the_table(f: Follower) -> bool:
+        rows = fold(f.messages(), "customer_id")
+        return {k: (r["email"], r["version"]) for k, r in rows.items()} == table
+
+    for f in followers:
+        wait_until(lambda f=f: holds_the_table(f), 120, "a follower to hold the table's rows")
+        messages = f.messages()
+        assert [m["type"] for m in messages].count("snapshot") == 1, "it did not resume"
+        assert not [m for m in messages if m["type"] in ("resync", "error")], messages[-3:]
+        seen: dict[str, list[int]] = defaultdict(list)
+        for m in messages:
+            if m["type"] == "change" and m["op"] == "upsert":
+                seen[m["key"]["customer_id"]].append(m["row"]["version"])
+        for key, versions in seen.items():
+            assert logged[key][-len(versions) :] == versions, (key, versions, logged[key])
+
+
+@contextmanager
+def followed(cluster: Cluster, name: str, clients: int = 2) -> Iterator[list[Follower]]:
+    followers = [Follower(cluster, name) for _ in range(clients)]
+    try:
+        for f in followers:
+            wait_until(lambda f=f: bool(f.client.of("s", "snapshot")), 30, "a snapshot")
+        yield followers
+    finally:
+        for f in followers:
+            f.close()
+
+
+@dataclass
+class Watched:
+    """Customers registered for a test, all named alike: what its followers subscribe to."""
+
+    name: str
+    ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def register(cls, cluster: Cluster, run: str, count: int = WATCHED) -> Watched:
+        api = Clients([cluster.stack.base], cluster.token).api(cluster.stack.base)
+        watched = cls(f"watched {run}")
+        for i in range(count):
+            a = api.command(
+                "register-customer",
+                {"name": watched.name, "email": f"{run}-watched-{i}@example.com"},
+                key=f"{run}-watched-{i}",
+            )
+            assert a.status == 201, a.body
+            watched.ids.append(a.body["aggregate_id"])
+        return watched
