@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make run` and `make test`. Both set up what they need.
-.PHONY: bootstrap run cluster test test-unit lint bench bench-live help
+.PHONY: bootstrap run cluster test test-unit lint bench bench-live bench-pipeline help
 
 help:
 	@echo "make run        run the whole stack locally (Kafka, Postgres, processors, API on :8000)"
@@ -9,6 +9,7 @@ help:
 	@echo "make lint       ruff + mypy"
 	@echo "make bench      benchmarks (results in bench/results/; the figures on docs/benchmarks.md)"
 	@echo "make bench-live websocket push benchmarks: freshness and 1,000-subscriber fan-out (with its raw ceiling)"
+	@echo "make bench-pipeline the whole pipeline's sustained commands/s beside the write side alone's, CPU per command per process"
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -36,3 +37,6 @@ bench: bootstrap
 bench-live: bootstrap
 	.venv/bin/python bench/live.py freshness --rates 5 20 50 --duration 60 --repeats 3
 	.venv/bin/python bench/live.py fanout --clients 1000 --client-procs 2 --rates 5 20 50 --duration 20 --repeats 3
+
+bench-pipeline: bootstrap
+	.venv/bin/python bench/pipeline.py --rates 50 100 150 200 250 300 --duration 20 --repeats 3
