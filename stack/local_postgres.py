@@ -99,7 +99,12 @@ class LocalPostgres:
         return self._url(self.database)
 
     def _as_owner(self) -> dict[str, Any]:
-        return {"user": "postgres", "group": "postgres"} if is_root() else {}
+        """Run as the server's user, from a directory it can enter: the caller's own may be
+        private (a checkout in a 0700 folder), and initdb says so on stderr."""
+        owner: dict[str, Any] = {"cwd": self.data_dir}
+        if is_root():
+            owner.update(user="postgres", group="postgres")
+        return owner
 
     def _prepare_dir(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -106,3 +106,22 @@ def test_the_api_role_reads_the_views_and_writes_nothing(
         assert rows == [] and snapshot.xmin <= snapshot.xmax  # no lock needed, none taken
     finally:
         close_app(app)
+
+
+def test_a_server_started_from_a_private_folder_says_nothing(
+    workdir: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkout in a private (0700) folder: the server's user cannot enter the caller's
+    directory, and initdb used to say so on the terminal, among `logfold run`'s prefixed lines."""
+    private = Path(tempfile.mkdtemp(prefix="checkout-"))  # 0700
+    monkeypatch.chdir(private)
+    server = LocalPostgres(Path(tempfile.mkdtemp(prefix="pg-private-", dir=workdir)), free_port())
+    server.start()
+    try:
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        server.stop()
+        private.rmdir()
+    said = capfd.readouterr()
+    assert "could not change directory" not in said.out + said.err, said
