@@ -29,6 +29,7 @@ from tests.e2e.faults import (
     RATE,
     Cluster,
     OpenLoop,
+    VersionsNotDense,
     Watched,
     check_commands,
     check_followers,
@@ -114,9 +115,12 @@ SETTLE = 4 * RATE  # commands sent before the fault and again after it
 # Found by these tests and not fixed yet: now and then, after a broker of the cluster was
 # killed or hung under load, a customer's versions in the log have a gap (two consecutive
 # versions missing, later ones present), so guarantee 2 does not hold there yet. The tests run
-# and report (xfail, not strict: a pass shows as XPASS); see issue 45's notes.
+# and report that defect alone as expected (xfail, not strict: a pass shows as XPASS); any
+# other failure fails them. See docs/operations.md ("Not yet holding").
 BROKER_GAP = pytest.mark.xfail(
-    reason="a version gap after a broker fault, now and then (issue 45)", strict=False
+    raises=VersionsNotDense,
+    reason="a version gap after a broker fault, now and then (issue 45)",
+    strict=False,
 )
 
 
@@ -139,8 +143,8 @@ def under_load(cluster: Cluster, inject: Callable[[], str]) -> int:
             cluster.caught_up()
             assert differences(cluster.settings) == {}
             check_followers(cluster.settings, followers, watched.ids)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n--- the stack's last lines:\n{cluster.stack.tail()}") from e
+        except AssertionError as e:  # the same type: BROKER_GAP expects one of them
+            raise type(e)(f"{e}\n--- the stack's last lines:\n{cluster.stack.tail()}") from e
         resumed = sum(f.resumed for f in followers)
     print(f"\n{what}; {len(load.sent)} commands ({answers}); clients resumed {resumed}x")
     return resumed
