@@ -30,6 +30,7 @@ import json
 import logging
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -99,29 +100,62 @@ class Applied(NamedTuple):
 def apply_changes(conn: psycopg.Connection[Any], join: Join, changes: list[Any]) -> Applied:
     """Merge `changes` (rows with CHANGE_COLUMNS, one per side and key) into the join's state
     and its view. The caller commits."""
-    conn.execute(
-        "CREATE TEMP TABLE join_changes (side text, key jsonb, row jsonb, lsn bigint, "
-        "seq bigint, join_value text) ON COMMIT DROP"
+    scratch(
+        conn,
+        "join_changes",
+        "(side text, key jsonb, row jsonb, lsn bigint, seq bigint, join_value text)",
     )
-    copy_rows(conn, "join_changes", CHANGE_COLUMNS, changes)
+    n = copy_rows(conn, "join_changes", CHANGE_COLUMNS, changes)
     conn.execute(f"UPDATE join_changes c SET join_value = {join.join_value_sql('c')}")
-    conn.execute("ANALYZE join_changes")
+    analyze_if_resized(conn, "join_changes", n)
     keys = ", ".join(join.key)
+    before, after = f"join_before_{join.name}", f"join_after_{join.name}"
+    derive = join.derive_sql("join_changes")
     # The view is the join of the state, so the rows the changed pairs gave before the changes
     # are the candidates for deletion.
-    conn.execute(
-        f"CREATE TEMP TABLE join_before ON COMMIT DROP AS "
-        f"SELECT {keys} FROM ({join.derive_sql('join_changes')}) d"
-    )
+    scratch(conn, before, f"AS SELECT {keys} FROM ({derive}) d WITH NO DATA")
+    conn.execute(f"INSERT INTO {before} SELECT {keys} FROM ({derive}) d")
     conn.execute(join.state_upsert_sql("join_changes"))
-    derived = conn.execute(
-        f"CREATE TEMP TABLE join_after ON COMMIT DROP AS {join.derive_sql('join_changes')}"
-    ).rowcount
-    written = conn.execute(join.upsert_sql("join_after")).rowcount
-    deleted = conn.execute(join.delete_sql("join_before", "join_after")).rowcount
-    for temp in ("join_changes", "join_before", "join_after"):
-        conn.execute(f"DROP TABLE {temp}")
+    scratch(conn, after, f"AS {derive} WITH NO DATA")
+    derived = conn.execute(f"INSERT INTO {after} {derive}").rowcount
+    written = conn.execute(join.upsert_sql(after)).rowcount
+    deleted = conn.execute(join.delete_sql(before, after)).rowcount
     return Applied(max(derived, 0), max(written, 0) + max(deleted, 0))
+
+
+def scratch(conn: psycopg.Connection[Any], table: str, definition: str) -> None:
+    """`table`, a temporary table of the connection's session, empty: made the first time
+    (`definition`: its columns, or `AS <query> WITH NO DATA`), emptied by every commit (`ON
+    COMMIT DELETE ROWS`: its file truncated, no catalog change) and before each use (a
+    transaction applies several joins). Made and dropped in every transaction (`ON COMMIT
+    DROP`), a join's three tables cost Postgres more than the rest of its apply (~7 ms of
+    catalog work a poll at 300 commands/s), and their catalog rows went to the WAL that CDC
+    decodes; emptied by `DELETE` alone, they grew without end (nothing vacuums a temporary
+    table), and so did each scan of them (`docs/benchmarks-journal.md`, whole pipeline). A
+    transaction rolled back with the table's making takes the table with it; the next use
+    makes it again."""
+    if definition.startswith("AS "):
+        definition = f"ON COMMIT DELETE ROWS {definition}"
+    else:
+        definition = f"{definition} ON COMMIT DELETE ROWS"
+    conn.execute(f"CREATE TEMP TABLE IF NOT EXISTS {table} {definition}")
+    conn.execute(f"DELETE FROM {table}")
+
+
+_analyzed: weakref.WeakKeyDictionary[psycopg.Connection[Any], dict[str, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def analyze_if_resized(conn: psycopg.Connection[Any], table: str, rows: int) -> None:
+    """ANALYZE `table` when it holds 4x more or fewer rows than when it was last analyzed on
+    this connection: the derive query's plan (index lookups from a few changes, or a hash join
+    for a catch-up's thousands) follows the size, and an ANALYZE a poll cost ~1 ms of Postgres."""
+    seen = _analyzed.setdefault(conn, {})
+    last = seen.get(table)
+    if last is None or rows > 4 * max(last, 1) or 4 * rows < last:
+        conn.execute(f"ANALYZE {table}")
+        seen[table] = rows
 
 
 def apply_records(

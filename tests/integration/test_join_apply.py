@@ -90,3 +90,38 @@ def test_a_batch_re_derives_the_pairs_of_the_rows_it_changed(deployment: Setting
     expected = {o: ("ada", "Ada L.", 100) for o in [*orders, "o40"] if o not in ("o1", "o2")}
     expected["o0"] = ("ada", "Ada L.", 250)
     assert rows == expected
+
+
+def test_polls_on_one_connection_reuse_their_scratch_tables_and_leave_them_empty(
+    deployment: Settings,
+) -> None:
+    """The live projector applies a poll a transaction on one connection: the join's scratch
+    tables are made once (no catalog rows made and dropped a poll) and every commit empties
+    their files (a table only ever emptied by DELETE grows, and nothing vacuums it)."""
+    scratch = ("join_changes", "join_before_order_summaries", "join_after_order_summaries")
+
+    def tables(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, int, int]]:
+        found = {}
+        for name in scratch:
+            oid, size = conn.execute(
+                "SELECT to_regclass(%s)::oid, pg_relation_size(to_regclass(%s))",
+                (f"pg_temp.{name}", f"pg_temp.{name}"),
+            ).fetchone() or (None, None)
+            rows = conn.execute(f"SELECT count(*) FROM {name}").fetchone()
+            found[name] = (oid, size, rows[0] if rows else None)
+        return found
+
+    seen = []
+    # Each transaction commits, as each of the projector's polls does.
+    with psycopg.connect(deployment.database(), autocommit=True) as conn:
+        for i in range(3):
+            with conn.transaction():
+                changes = [change("right", f"c{j}", customer(f"c{j}", f"n{i}")) for j in range(50)]
+                changes += [change("left", f"o{j}", order(f"o{j}", f"c{j}")) for j in range(50)]
+                apply_changes(conn, SUMMARIES, changes)
+            seen.append(tables(conn))
+    first = seen[0]
+    assert all(oid is not None for oid, _, _ in first.values()), first
+    assert seen == [first] * 3, seen  # the same tables, empty, their files truncated
+    assert {(size, rows) for _, size, rows in first.values()} == {(0, 0)}, first
+    assert len(summaries(deployment)) == 50
