@@ -39,4 +39,4 @@ bench-live: bootstrap
 	.venv/bin/python bench/live.py fanout --clients 1000 --client-procs 2 --rates 5 20 50 --duration 20 --repeats 3
 
 bench-pipeline: bootstrap
-	.venv/bin/python bench/pipeline.py --rates 50 100 150 200 250 300 --duration 20 --repeats 3
+	.venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 --duration 15 --repeats 3 --warmup 45

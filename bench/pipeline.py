@@ -1,7 +1,7 @@
 """The whole pipeline's capacity beside the write side alone's, measured in one run (the figures
 of docs/capacity.md).
 
-    .venv/bin/python bench/pipeline.py --rates 50 100 150 200 250 300 --duration 20 --repeats 3
+    .venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 --duration 15 --repeats 3
 
 One stack as `make run` starts it on one machine: a broker, Postgres, a command processor, an
 API process, the Spark projector (every projection and join, in real-time mode), CDC, and a
@@ -18,11 +18,13 @@ A rate is *sustained* when at least 99 % of its commands got a `201` with a p99 
 `--p99-ms`, and, in `full`, when the views had applied every command within `--keep-up-s` of
 the last one's `201` (the read side kept up). The highest sustained rate of each mode is the
 median over the repeats, and the ratio of the two is the figure: how much of the write side's
-capacity the whole pipeline keeps.
+capacity the whole pipeline keeps. A mode that sustained a rate in none of its repeats is not
+run at the higher rates.
 
 With each run: the CPU each process spent per command (ms; `machine_busy_pct` is how much of
-the two cores were used), and the read side's work per event where it can be counted (Postgres
-transactions per command, the rows topic's records).
+the two cores were used), Postgres transactions and websocket messages per command, and, with
+everything running, the read side by stage (`Stages`: the projector's JVM apart from its Python
+process, Postgres's backends by client, the records each group of topics got).
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from kafka import KafkaConsumer, TopicPartition
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,9 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.read_model import ReadModel
 from bench import loadgen
 from bench.live import process_env
-from bench.procstat import CpuMeter, tree
+from bench.procstat import CpuMeter, cpu_seconds, tree
 from bench.read_stack import Stack, start_warmed
-from config.settings import Settings
+from config.settings import Settings, kafka_fetch_bounds
+from config.topics import Topics
 from tests.support import HttpApi, Processes, token
 from tests.wsclient import WsClient
 
@@ -81,12 +86,109 @@ def xact_commits(settings: Settings) -> int:
     return int(row[0]) if row else 0
 
 
+def socket_owners(peer_port: int) -> dict[int, int]:
+    """Local port → process id of the established TCP connections to `peer_port` (from `ss`)."""
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established"], capture_output=True, text=True, check=True
+    ).stdout
+    owners = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 5 or "pid=" not in line or not fields[3].endswith(f":{peer_port}"):
+            continue
+        local = int(fields[2].rsplit(":", 1)[1])
+        owners[local] = int(line.split("pid=", 1)[1].split(",", 1)[0])
+    return owners
+
+
+class Stages:
+    """The read side's cost by stage, beside the per-process table: the projector's JVM (Spark's
+    long-lived real-time tasks: decoding each event, folding its rows, writing them to the rows
+    topics) and its Python process (reading those topics and applying each poll to Postgres);
+    Postgres's backends by client (the projector's transactions, CDC's logical decoding in its
+    walsender, the API's reads and the rest: background writers and short-lived backends); and
+    the records each group of topics got per command (commit markers included)."""
+
+    def __init__(self, settings: Settings, roots: dict[str, int], postgres_port: int) -> None:
+        self.settings, self.roots, self.postgres_port = settings, roots, postgres_port
+        self.topics = Topics(settings.topic_prefix)
+        self.offsets = KafkaConsumer(
+            bootstrap_servers=settings.kafka(), metrics_enabled=False, **kafka_fetch_bounds()
+        )
+        self.cpu0: dict[str, tuple[float, float]] = {}
+        self.ends0: dict[str, int] = {}
+
+    def _jvm(self) -> list[int]:
+        """The projector's JVM and its descendants (its Python process is their parent)."""
+        root = self.roots["projector"]
+        return [p for p in tree(root) if p != root and "java" in _exe(p)]
+
+    def _backends(self) -> dict[str, list[int]]:
+        """Postgres backends by the process tree of their client (CDC's walsender by its type)."""
+        owners = socket_owners(self.postgres_port)
+        trees = {name: set(tree(pid)) for name, pid in self.roots.items()}
+        by: dict[str, list[int]] = {}
+        with psycopg.connect(self.settings.database()) as conn:
+            rows = conn.execute(
+                "SELECT pid, backend_type, client_port FROM pg_stat_activity "
+                "WHERE pid <> pg_backend_pid()"
+            ).fetchall()
+        for pid, kind, port in rows:
+            client = owners.get(port) if port else None
+            name = "cdc" if kind == "walsender" else "other"
+            name = next((n for n, t in trees.items() if client in t), name)
+            by.setdefault(f"postgres_for_{name}", []).append(pid)
+        return by
+
+    def _groups(self) -> dict[str, list[int]]:
+        jvm = self._jvm()
+        python = [p for p in tree(self.roots["projector"]) if p not in jvm]
+        return {"projector_jvm": jvm, "projector_python": python, **self._backends()}
+
+    def _ends(self) -> dict[str, int]:
+        prefix = self.topics.prefix
+        named = [t for t in self.offsets.topics() if t.startswith(prefix)]
+        tps = [
+            TopicPartition(t, p) for t in named for p in self.offsets.partitions_for_topic(t) or ()
+        ]
+        ends: dict[str, int] = {}
+        for tp, end in self.offsets.end_offsets(tps).items():
+            group = tp.topic.removeprefix(prefix).split(".", 1)[0]  # events, cdc, join-rows, …
+            ends[group] = ends.get(group, 0) + int(end)
+        return ends
+
+    def start(self) -> None:
+        self.pids = self._groups()
+        self.cpu0 = {name: cpu_seconds(pids) for name, pids in self.pids.items()}
+        self.ends0 = self._ends()
+
+    def stop(self, done: int) -> dict[str, Any]:
+        cpu: dict[str, float] = {}
+        for name, pids in self.pids.items():
+            (u, s), (u0, s0) = cpu_seconds(pids), self.cpu0[name]
+            cpu[name] = round((u + s - u0 - s0) * 1e3 / done, 3)
+        ends = self._ends()
+        records = {g: round((n - self.ends0.get(g, 0)) / done, 2) for g, n in ends.items()}
+        return {"cpu_ms_per_command": cpu, "offsets_per_command": records}
+
+    def close(self) -> None:
+        self.offsets.close()
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
 class Pipeline:
     def __init__(self, stack: Stack, procs: Processes, api: HttpApi, meter: CpuMeter) -> None:
         self.stack, self.procs, self.api, self.meter = stack, procs, api, meter
         self.settings = procs.settings
         names = {p.pid: " ".join(map(str, p.args)) for p in procs.procs}
         self.paused = [pid for pid, args in names.items() if args.endswith(("projector", "cdc"))]
+        self.stages = Stages(self.settings, dict(meter.roots), stack.pg.port)
         self.customers = [
             api.command(
                 "register-customer", {"name": f"c{i}", "email": f"c{i}@bench.example"}
@@ -108,6 +210,8 @@ class Pipeline:
         try:
             commits = xact_commits(self.settings)
             pushed = len(self.subscriber.messages)
+            if mode == "full":
+                self.stages.start()
             self.meter.start()
             result = loadgen.offered_load(
                 [self.api.base_url], token(), loadgen.renames(self.customers), rate, duration, 64
@@ -122,6 +226,8 @@ class Pipeline:
                 if caught_up_within(self.settings, 600) is None:
                     raise RuntimeError("the read side did not catch up after a paused run")
         done = max(result.statuses.get(201, 0), 1)
+        # Once the views have caught up: every stage's work for the run's commands.
+        stages = self.stages.stop(done) if mode == "full" else None
         ms = {
             name.removesuffix("_pct"): round(v / 100 * cpu["wall_s"] * 1e3 / done, 3)
             for name, v in cpu.items()
@@ -138,6 +244,7 @@ class Pipeline:
             "jit_pct": round(sum(v for k, v in cpu.items() if k.endswith("_jit_pct")), 1),
             "postgres_commits_per_command": round(commits / done, 2),
             "messages_pushed_per_command": round(pushed / done, 2),
+            "read_side_stages": stages,
         }
 
 
@@ -153,10 +260,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rates", type=float, nargs="+", default=[50, 100, 150, 200, 250, 300])
-    parser.add_argument("--duration", type=float, default=20, help="seconds per run")
+    parser.add_argument(
+        "--rates", type=float, nargs="+", default=[50, 200, 300, 400, 500, 600, 700]
+    )
+    parser.add_argument("--duration", type=float, default=15, help="seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per rate and mode")
-    parser.add_argument("--warmup", type=float, default=60, help="seconds of load first")
+    parser.add_argument("--warmup", type=float, default=45, help="seconds of load first")
     parser.add_argument("--p99-ms", type=float, default=1000, help="sustained: p99 at most this")
     parser.add_argument(
         "--keep-up-s", type=float, default=5, help="sustained (full): views caught up within this"
@@ -173,9 +282,16 @@ def main() -> None:
                 pipeline.run("full", max(args.rates) / 2, args.warmup, 60)
             runs: list[dict[str, Any]] = []
             todo = [(r, m) for r in args.rates for _ in range(args.repeats) for m in MODES]
+            beyond: set[str] = set()  # modes that sustained a rate in none of its repeats
             for rate, mode in tqdm(todo, desc="runs", unit="run"):
+                if mode in beyond:  # a higher rate would fail too: not run, not sustained
+                    continue
                 runs.append(pipeline.run(mode, rate, args.duration, args.keep_up_s))
                 runs[-1]["sustained"] = sustained(runs[-1], args.p99_ms, args.keep_up_s)
+                these = [r for r in runs if (r["mode"], r["offered_per_s"]) == (mode, rate)]
+                if len(these) == args.repeats and not any(r["sustained"] for r in these):
+                    beyond.add(mode)
+            pipeline.stages.close()
         finally:
             procs.stop()
     print(json.dumps(summary(runs, args), indent=2))
@@ -191,6 +307,8 @@ def summary(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
     for mode in MODES:
         for rate in args.rates:
             these = [r for r in runs if r["mode"] == mode and r["offered_per_s"] == rate]
+            if not these:  # beyond a rate the mode sustained in none of its repeats
+                continue
             cpu_keys = these[0]["cpu_ms_per_command"]
             levels[mode][rate] = {
                 "sustained": sum(r["sustained"] for r in these) > len(these) / 2,
@@ -203,6 +321,15 @@ def summary(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
                 },
                 "machine_busy_pct": statistics.median(r["machine_busy_pct"] for r in these),
             }
+            staged = [r["read_side_stages"] for r in these if r.get("read_side_stages")]
+            if staged:
+                levels[mode][rate]["read_side_stages"] = {
+                    part: {
+                        k: round(statistics.median(st[part].get(k, 0) for st in staged), 2)
+                        for k in set().union(*(st[part] for st in staged))
+                    }
+                    for part in ("cpu_ms_per_command", "offsets_per_command")
+                }
     best = {
         m: max((rate for rate, lv in levels[m].items() if lv["sustained"]), default=0.0)
         for m in MODES

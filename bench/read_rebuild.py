@@ -60,6 +60,78 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
         return {**results, "medians": medians}
 
 
+def rebuild_workers(args: argparse.Namespace) -> dict[str, Any]:
+    """The rebuild on a Spark standalone cluster (the cluster topology's), with 1 worker and
+    with 2 (each declaring `--cores` slots), alternating, each round on a new cluster: how the
+    rebuild scales with executors, as far as one machine shows it. Each cluster's first
+    rebuild warms its executors' JVMs and is not counted."""
+    from projections.registry import PROJECTIONS
+    from spark.decode import every_event, parse_events, read_batch
+    from spark.rebuild import Rebuild
+    from spark.session import session
+    from stack.local_spark import SparkStandalone
+
+    stack = Stack()
+    with stack as settings:
+        written = write_log(settings, args.events)
+        topics = Topics(settings.topic_prefix)
+        everything = [topics.events(a) for a in ("customer", "book", "order")]
+        runs: list[dict[str, Any]] = []
+        for round_ in range(args.repeats):
+            for workers in args.workers:
+                cluster = SparkStandalone(
+                    stack.work / f"spark-{round_}-{workers}",
+                    workers=workers,
+                    cores=args.cores,
+                    memory=args.executor_memory,
+                )
+                cluster.start()
+                try:
+                    on = settings.model_copy(update={"spark_master": cluster.url})
+                    spark = session(on, "logfold-bench-workers")
+                    job = Rebuild(on, spark)
+                    projections = list(PROJECTIONS.values())
+                    job.run_many(projections, verify=False, progress=False)  # warms the JVMs
+                    t = time.perf_counter()
+                    reports = job.run_many(projections, verify=False, progress=False)
+                    took = time.perf_counter() - t
+                    log = read_batch(spark, on.kafka(), everything, "earliest", "latest")
+                    t = time.perf_counter()
+                    every_event(parse_events(log)).write.format("noop").mode("overwrite").save()
+                    decode = time.perf_counter() - t
+                    runs.append(
+                        {
+                            "workers": workers,
+                            "slots": workers * args.cores,
+                            "all_views_seconds": round(took, 2),
+                            "all_views_events_per_s": round(written / took),
+                            "read_seconds": round(reports[0].steps["read"], 2),
+                            "spark_read_and_decode_per_s": round(written / decode),
+                        }
+                    )
+                    print(runs[-1], file=sys.stderr)
+                    spark.stop()
+                finally:
+                    cluster.stop()
+        by = {
+            w: {
+                k: statistics.median(r[k] for r in runs if r["workers"] == w)
+                for k in ("all_views_events_per_s", "spark_read_and_decode_per_s")
+            }
+            for w in args.workers
+        }
+        lo, hi = min(args.workers), max(args.workers)
+        return {
+            "benchmark": "rebuild-workers",
+            "topology": f"rebuild alone on a Spark standalone master with {args.workers} "
+            f"workers of {args.cores} slot(s) each; Kafka, Postgres, the driver on one machine",
+            "events_in_log": written,
+            "medians": by,
+            "speedup": {k: round(by[hi][k] / by[lo][k], 2) for k in by[lo]},
+            "runs": runs,
+        }
+
+
 def copy_rate(settings: Settings, rows: int) -> float:
     """Rows/s of COPY into a table as wide as `orders`."""
     with psycopg.connect(settings.database()) as conn:

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/read_side.py freshness --rates 10 50 200 --duration 20 --repeats 3
     .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
+    .venv/bin/python bench/read_side.py rebuild-workers --events 300000 --repeats 2
     .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
     .venv/bin/python bench/read_side.py batch --events 200000 --repeats 5
     .venv/bin/python bench/read_side.py stages --rate 40 --duration 30 --repeats 2
@@ -44,6 +45,11 @@ run, the bare rate of reading the same records from Kafka with Spark (no decodin
 and decoding them as the rebuild does (nothing kept: Spark's `noop` sink), and of COPYing rows
 of the views' width into Postgres, as ceilings.
 
+rebuild-workers: the same rebuild on a Spark standalone cluster started here (as the cluster
+topology starts it), with 1 worker and with 2, each declaring --cores slots, alternating, a new
+cluster each time (its first rebuild warms the executors and is not counted): how the rebuild
+scales with executors, as far as one machine shows it (the driver, Kafka and Postgres share it).
+
 batch: what one micro-batch of the event pipeline costs in Spark (the job that turns a batch
 of records into every view's rows, as the live projector runs it), for a small batch (a few
 records, as at tens of commands/s) and for a whole log read at once (as after downtime),
@@ -73,7 +79,7 @@ from bench.read_api import first_reads, through_the_api
 from bench.read_batch import STAGE_VARIANTS, batch_cost, stages
 from bench.read_freshness import freshness
 from bench.read_idle import idle
-from bench.read_rebuild import rebuild
+from bench.read_rebuild import rebuild, rebuild_workers
 
 
 def main() -> None:
@@ -120,6 +126,14 @@ def main() -> None:
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
     r.add_argument("--repeats", type=int, default=3)
+    rw = sub.add_parser(
+        "rebuild-workers", help="the rebuild on a Spark standalone cluster, 1 worker against 2"
+    )
+    rw.add_argument("--events", type=int, default=300_000)
+    rw.add_argument("--repeats", type=int, default=2, help="rounds, each worker count once")
+    rw.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    rw.add_argument("--cores", type=int, default=1, help="slots each worker declares")
+    rw.add_argument("--executor-memory", default="2g")
     b = sub.add_parser("batch", help="Spark's cost of one event-pipeline batch, small and large")
     b.add_argument("--events", type=int, default=200_000)
     b.add_argument("--repeats", type=int, default=5)
@@ -171,6 +185,7 @@ def main() -> None:
     runs = {
         "freshness": freshness,
         "rebuild": rebuild,
+        "rebuild-workers": rebuild_workers,
         "idle": idle,
         "batch": batch_cost,
         "stages": stages,
