@@ -26,6 +26,7 @@ from kafka.errors import KafkaError
 
 from config.settings import Settings
 from config.topics import Topics
+from stack.local_lb import LoadBalancer
 from stack.procs import wait_until
 from tests.changes import changelog, distinct
 from tests.e2e.test_local_stack import RunningStack
@@ -107,13 +108,38 @@ class Cluster:
     def api_node(self, port: int) -> int:
         return self.one(*self.API, f"--port {port}")
 
+    def api_node_ready(self, port: int, timeout: float = 120) -> None:
+        """Until the API node on `port` (started again) is ready and the balancer routes to
+        it: it answers `/health` itself, and HAProxy's check has it `UP`."""
+        wait_until(
+            lambda: requests.get(f"http://127.0.0.1:{port}/health", timeout=5).ok,
+            timeout,
+            f"the API node on :{port} ready",
+        )
+        nodes = [self.stack.api_port + 1, self.stack.api_port + 2]
+        balancer = LoadBalancer(self.stack.data_dir / "cluster" / "lb", self.stack.api_port, nodes)
+        name = f"api{nodes.index(port) + 1}"
+
+        def routed() -> bool:
+            return balancer.servers().get(name, {}).get("status") == "UP"
+
+        wait_until(routed, timeout, f"the balancer routing to {name} (:{port}) again")
+
     def processors(self) -> list[int]:
         return self.pids("stack.cli processor")
 
     def restarted(self, old: int, *needles: str, timeout: float = 120) -> int:
-        """The process the stack started again in place of `old` (which it saw exit)."""
-        wait_until(lambda: any(p != old for p in self.pids(*needles)), timeout, f"{needles} again")
-        return next(p for p in self.pids(*needles) if p != old)
+        """The process the stack started again in place of `old` (which it saw exit). Taken
+        from the look that found it: a starting API process execs itself again, and a second
+        look may come in between (it did, in CI)."""
+        found: list[int] = []
+
+        def again() -> bool:
+            found[:] = [p for p in self.pids(*needles) if p != old]
+            return bool(found)
+
+        wait_until(again, timeout, f"{needles} again")
+        return found[0]
 
     # ---- Kafka ----
 
