@@ -16,7 +16,7 @@ from commands.messages import CommandMessage, Reply
 from config.settings import IDLE_POLL_MS, Settings
 from config.topics import Topics
 from events.partitioning import partition_for
-from events.store import committed_reader
+from events.store import close_within, committed_reader
 
 log = logging.getLogger(__name__)
 
@@ -168,4 +168,4 @@ class CommandBus:
         self._stopping.set()
         self._thread.join(timeout=5)
         if self._producer is not None:
-            self._producer.close(timeout=5)
+            close_within(self._producer, 5)

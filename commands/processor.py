@@ -36,7 +36,7 @@ from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, ka
 from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
-from events.store import abort_within, commit_within, committed_reader, drain
+from events.store import abort_within, close_within, commit_within, committed_reader, drain
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class PartitionOwner:
             )
 
     def close(self) -> None:
-        self.producer.close(timeout=5)
+        close_within(self.producer, 5)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -421,13 +421,18 @@ class CommandProcessor:
             log.info("claimed partition %s at offset %s", tp.partition, committed)
 
     def _close(self) -> None:
+        """Never raises: `run` goes on to a new session whatever failed (a processor whose
+        clean-up raised would leave its group for good, its partitions to the others)."""
         for owner in self.owners.values():
             owner.close()
         self.owners.clear()
         self._claims.clear()
         self._processed.clear()
         if self._consumer is not None:
-            self._consumer.close(autocommit=False)
+            try:
+                self._consumer.close(autocommit=False)
+            except Exception:
+                log.warning("the command consumer did not close cleanly", exc_info=True)
             self._consumer = None
 
 

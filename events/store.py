@@ -3,16 +3,61 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import kafka
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaTimeoutError
+from kafka.producer.record_accumulator import RecordAccumulator
 
 from config.settings import KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
 from events.serialization import Envelope, decode
+
+log = logging.getLogger(__name__)
+
+
+def _abort_only_queued_batches() -> None:
+    """kafka-python 2.x aborts a transaction's batches by removing each unfinished one from its
+    partition's queue, including batches already sent and awaiting the broker's answer, which
+    are in no queue: `ValueError`. The sender thread then fails on every turn, so the abort
+    never completes, and stopping the sender fails the same way, leaving every future of the
+    producer unresolved (a processor woken after a freeze, its batches in flight, hit it).
+    kafka-python 3 skips batches in flight; this does the same for 2.x: a batch in flight is
+    left to the broker's answer, or failed with the rest when the sender is stopped."""
+    if int(kafka.__version__.split(".")[0]) >= 3:
+        return
+
+    def abort_undrained_batches(self: Any, error: Exception) -> None:
+        for batch in self._incomplete.all():
+            with self._tp_lock(batch.topic_partition):
+                queue = self._batches[batch.topic_partition]
+                aborted = not batch.is_done and batch in queue
+                if aborted:
+                    batch.records.close()
+                    queue.remove(batch)
+            if aborted:
+                batch.abort(error)
+                self.deallocate(batch)
+
+    def abort_batches(self: Any, error: Exception) -> None:
+        for batch in self._incomplete.all():
+            with self._tp_lock(batch.topic_partition):
+                batch.records.close()
+                queue = self._batches[batch.topic_partition]
+                if batch in queue:
+                    queue.remove(batch)
+            batch.abort(error)
+            self.deallocate(batch)
+
+    RecordAccumulator.abort_undrained_batches = abort_undrained_batches
+    RecordAccumulator._abort_batches = abort_batches
+
+
+_abort_only_queued_batches()
 
 
 def commit_within(producer: KafkaProducer, timeout_s: float) -> None:
@@ -43,6 +88,19 @@ def stop_sending(producer: KafkaProducer, timeout_s: float) -> None:
     with contextlib.suppress(Exception):
         producer._sender.force_close()
         producer._sender.join(timeout=timeout_s)
+
+
+def close_within(producer: KafkaProducer, timeout_s: float) -> None:
+    """`producer.close()`, bounded, and never raising: closing is what a failure's clean-up
+    does on its way to releasing the rest (a processor's place in its group above all), so a
+    producer whose sends are not acknowledged in time is stopped, its unsent records dropped."""
+    try:
+        producer.close(timeout=timeout_s)
+    except Exception as e:
+        log.warning("a producer did not close within %ss (%s); stopping its sender", timeout_s, e)
+        stop_sending(producer, timeout_s)
+        with contextlib.suppress(Exception):
+            producer.close(timeout=0)
 
 
 def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
