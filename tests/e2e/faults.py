@@ -21,10 +21,11 @@ import psycopg
 import requests
 import websocket
 from dotenv import dotenv_values
+from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 
-from config.settings import Settings
+from config.settings import Settings, kafka_fetch_bounds
 from config.topics import Topics
 from stack.local_lb import LoadBalancer
 from stack.procs import wait_until
@@ -308,6 +309,40 @@ class VersionsNotDense(AssertionError):
     """A customer's versions in the log have a gap or a duplicate (guarantee 2)."""
 
 
+def where_versions_are(settings: Settings, log: list[Any]) -> list[str]:
+    """For each aggregate whose versions are not dense: every record of it in the topic, read
+    uncommitted, with its partition and offset, and whether a committed read sees it. Says
+    whether a missing version was written and aborted, or never written (or lost)."""
+    dense: dict[str, list[int]] = defaultdict(list)
+    for e in log:
+        dense[e.aggregate_id].append(e.version)
+    broken = {a for a, vs in dense.items() if sorted(vs) != list(range(1, len(vs) + 1))}
+    topic = Topics(settings.topic_prefix).events("customer")
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka(),
+        isolation_level="read_uncommitted",
+        enable_auto_commit=False,
+        **kafka_fetch_bounds(),
+    )
+    found: dict[str, list[str]] = defaultdict(list)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        deadline = time.monotonic() + 60
+        while any(consumer.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                for r in records:
+                    agg, _, version = (r.key or b"").decode().rpartition(":")
+                    if agg in broken:
+                        seen = "committed" if int(version) in dense[agg] else "NOT COMMITTED"
+                        found[agg].append(f"v{version}@{r.partition}:{r.offset} {seen}")
+    finally:
+        consumer.close()
+    return [f"{agg} in the topic: {', '.join(found[agg])}" for agg in sorted(broken)]
+
+
 def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
     """Every command with a key got a `201` (or its replay) and is in the log once; one without
     is in the log once if answered `201`, never if answered `503` or a `4xx`, at most once if
@@ -317,7 +352,7 @@ def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
     ours = {e.aggregate_id for e in everything if e.data.get("email", "").startswith(f"{run}-")}
     log = [e for e in everything if e.aggregate_id in ours]
     if problems := version_problems(log):
-        raise VersionsNotDense(problems[:10])
+        raise VersionsNotDense(problems[:10] + where_versions_are(settings, log))
     by_email: dict[str, list[Any]] = defaultdict(list)
     for e in log:
         if "email" in e.data:
