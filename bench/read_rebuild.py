@@ -4,7 +4,10 @@ bench/read_side.py)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -154,3 +157,51 @@ def copy_rate(settings: Settings, rows: int) -> float:
                 )
         conn.commit()
         return rows / (time.perf_counter() - t)
+
+
+# One Spark start, in a new process: a session and its first query, as a projector or a rebuild
+# starts (timed in that process, without the interpreter's own start).
+_START = """
+import json, time
+t0 = time.perf_counter()
+from config.settings import Settings
+from spark.session import session
+spark = session(Settings(), "logfold-bench-start")
+t1 = time.perf_counter()
+spark.range(1000).selectExpr("id * 2 AS x").groupBy().sum("x").collect()
+t2 = time.perf_counter()
+print(json.dumps({"session_s": t1 - t0, "first_query_s": t2 - t1, "total_s": t2 - t0}))
+"""
+
+
+def spark_start(args: argparse.Namespace) -> dict[str, Any]:
+    """A Spark driver's start with the class archive (spark/class_archive.py) against without,
+    alternating, each in a new process; medians and their ratio."""
+    from stack import class_archive
+
+    archive = class_archive.ensure(Settings())
+    runs: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
+    root = Path(__file__).resolve().parents[1]
+    for _ in range(args.repeats):
+        for mode, on in (("with", "true"), ("without", "false")):
+            env = {**os.environ, "LOGFOLD_SPARK_CLASS_ARCHIVE": on}
+            out = subprocess.run(
+                [sys.executable, "-c", _START],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=300,
+            )
+            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    medians = {
+        mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()
+    }
+    return {
+        "benchmark": "spark-start",
+        "archive_mib": archive.stat().st_size / 2**20,
+        "medians": medians,
+        "with/without": medians["with"]["total_s"] / medians["without"]["total_s"],
+        "runs": runs,
+    }

@@ -3,6 +3,7 @@
     .venv/bin/python bench/read_side.py freshness --rates 10 50 200 --duration 20 --repeats 3
     .venv/bin/python bench/read_side.py rebuild --events 1000000 --repeats 3
     .venv/bin/python bench/read_side.py rebuild-workers --events 300000 --repeats 2
+    .venv/bin/python bench/read_side.py spark-start --repeats 5
     .venv/bin/python bench/read_side.py idle --duration 60 --repeats 3
     .venv/bin/python bench/read_side.py batch --events 200000 --repeats 5
     .venv/bin/python bench/read_side.py stages --rate 40 --duration 30 --repeats 2
@@ -50,6 +51,10 @@ topology starts it), with 1 worker and with 2, each declaring --cores slots, alt
 cluster each time (its first rebuild warms the executors and is not counted): how the rebuild
 scales with executors, as far as one machine shows it (the driver, Kafka and Postgres share it).
 
+spark-start: a Spark driver's start (a session and its first query, each in a new process, as
+a projector or a rebuild starts) with the class archive `make bootstrap` makes
+(spark/class_archive.py) against without it, alternating; no stack needed.
+
 batch: what one micro-batch of the event pipeline costs in Spark (the job that turns a batch
 of records into every view's rows, as the live projector runs it), for a small batch (a few
 records, as at tens of commands/s) and for a whole log read at once (as after downtime),
@@ -79,7 +84,7 @@ from bench.read_api import first_reads, through_the_api
 from bench.read_batch import STAGE_VARIANTS, batch_cost, stages
 from bench.read_freshness import freshness
 from bench.read_idle import idle
-from bench.read_rebuild import rebuild, rebuild_workers
+from bench.read_rebuild import rebuild, rebuild_workers, spark_start
 
 
 def main() -> None:
@@ -134,6 +139,10 @@ def main() -> None:
     rw.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     rw.add_argument("--cores", type=int, default=1, help="slots each worker declares")
     rw.add_argument("--executor-memory", default="2g")
+    ss = sub.add_parser(
+        "spark-start", help="a Spark driver's start with the class archive against without"
+    )
+    ss.add_argument("--repeats", type=int, default=5, help="starts of each, alternating")
     b = sub.add_parser("batch", help="Spark's cost of one event-pipeline batch, small and large")
     b.add_argument("--events", type=int, default=200_000)
     b.add_argument("--repeats", type=int, default=5)
@@ -186,6 +195,7 @@ def main() -> None:
         "freshness": freshness,
         "rebuild": rebuild,
         "rebuild-workers": rebuild_workers,
+        "spark-start": spark_start,
         "idle": idle,
         "batch": batch_cost,
         "stages": stages,

@@ -112,6 +112,9 @@ class Settings(BaseSettings):
     # optimising JIT compiler (C2) spent a third of a core recompiling Spark's planner while
     # they ran; the quick one alone halved a view's lag on 2 cores (docs/benchmarks-journal.md).
     projector_java_options: str = "-XX:TieredStopAtLevel=1"
+    # Every Spark driver JVM maps the classes Spark loads from the archive `make bootstrap`
+    # made (spark/class_archive.py): it starts seconds sooner. Off, it loads them from the jars.
+    spark_class_archive: bool = True
     # The event pipeline's live path in Spark's real-time mode (each event on its own, as it
     # arrives; `docs/design.md`); off, or without a task slot per partition it reads (a local
     # master is given them), it folds in micro-batches.

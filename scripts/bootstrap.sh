@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything Logfold needs on a fresh Debian machine, idempotently:
 # Java + Maven + Postgres server binaries + HAProxy (apt, when missing), a virtualenv with the Python
-# packages (re-installed when pyproject.toml changes), and the Kafka broker jars (Maven).
+# packages (re-installed when pyproject.toml changes), the Kafka broker jars (Maven), and the Spark
+# driver's class archive (stack/class_archive.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,5 +64,18 @@ from spark.session import kafka_jars
 settings = Settings()
 ensure_jars(settings.lib_path)
 kafka_jars(settings)
+PY
+.venv/bin/python - <<'PY'
+from config.settings import Settings
+from stack import class_archive
+
+settings = Settings()
+if not class_archive.archive_path(settings).is_file():
+    print("\033[1m==> preparing Spark's class archive (once, about half a minute: every Spark "
+          "process then starts seconds sooner)\033[0m", flush=True)
+    try:
+        class_archive.ensure(settings)
+    except Exception as e:  # an optimisation: Spark starts without it, only slower
+        print(f"warning: Spark's class archive could not be made, so Spark starts without it: {e}")
 PY
 say "ready"

@@ -12,6 +12,7 @@ from pyspark.sql import SparkSession
 from config import maven
 from config.logs import is_debug, spark_level
 from config.settings import Settings
+from spark import class_archive
 
 POM = Path(__file__).parent / "pom.xml"
 LOG4J = Path(__file__).parent / "log4j2.properties"
@@ -57,6 +58,8 @@ def session(
     if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit, which set these
         # Logging configured from the JVM's start: its first warnings come before any session.
         log4j = f"-Dlog4j2.configurationFile={LOG4J} -Dlogfold.spark.level={level}"
+        # Classes mapped from the archive `make bootstrap` made, if any (spark/class_archive.py).
+        java_options = f"{class_archive.java_options(settings)} {java_options}".strip()
         builder = (
             builder.master(with_slots(settings.spark_master, slots))
             .config("spark.jars", ",".join(kafka_jars(settings)))
