@@ -40,8 +40,9 @@ as a share of one core. A settling minute first, and more while the JVMs' JIT co
 work (the broker's C2 goes on for minutes after a start; --settle-jit-pct): those windows are
 recorded apart (`settling`), not counted.
 
-rebuild: writes N events of a realistic bookshop mix straight into the event topics, then times
-the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
+rebuild: writes N events of a realistic bookshop mix straight into the event topics, times
+`logfold rebuild --all` as a user runs it (a new process, from the command to its exit), then
+times the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
 run, the bare rate of reading the same records from Kafka with Spark (no decoding), of reading
 and decoding them as the rebuild does (nothing kept: Spark's `noop` sink), and of COPYing rows
 of the views' width into Postgres, as ceilings.
