@@ -35,6 +35,24 @@ UNAVAILABLE = (
     '{"error": {"code": "unavailable", "message": "no API node is up behind the load '
     'balancer; retry after a few seconds", "details": []}}'
 )
+# A node that stopped (or went silent) in the middle of a request: the request may have been
+# carried out (a command committed), so the answer says how to find out, not "nothing written".
+NODE_LOST = (
+    '{"error": {"code": "node_lost", "message": "the API node serving this request stopped '
+    "before it answered; a command's outcome is unknown: send it again with the same "
+    'Idempotency-Key", "details": []}}'
+)
+NODE_SILENT = (
+    '{"error": {"code": "timeout", "message": "the API node serving this request did not '
+    "answer in time; a command's outcome is unknown: send it again with the same "
+    'Idempotency-Key", "details": []}}'
+)
+# HAProxy's own answers, in the API's error shape (it would send HTML): status, reason, body.
+ERROR_PAGES = {
+    502: ("Bad Gateway", NODE_LOST),
+    503: ("Service Unavailable", UNAVAILABLE),
+    504: ("Gateway Timeout", NODE_SILENT),
+}
 
 
 def haproxy() -> str:
@@ -58,15 +76,16 @@ def haproxy_config(
     bind: str,
     backends: list[str],
     admin_socket: str,
-    error_page: str,
+    error_pages: str,
     stats_bind: str,
     max_connections: int,
     dns: str | None = None,
 ) -> str:
     """HAProxy's configuration: listening on `bind`, balancing over the API nodes at `backends`
-    (`host:port` each) as the module's docstring says; `dns`: a name server that resolves the
-    nodes' names again as they come and go (containers). The same text for the local processes
-    and for the containers of docker-compose.yml (stack/compose/haproxy.cfg)."""
+    (`host:port` each) as the module's docstring says; its own answers from the files
+    `<code>.http` in the folder `error_pages` (`error_page`); `dns`: a name server that
+    resolves the nodes' names again as they come and go (containers). The same text for the
+    local processes and for the containers of docker-compose.yml (stack/compose/haproxy.cfg)."""
     resolvers = f"\nresolvers dns\n    nameserver dns {dns}\n    hold valid 10s\n" if dns else ""
     addr = "init-addr libc,none" + (" resolvers dns" if dns else "")
     names = [f"api{i}" for i in range(1, len(backends) + 1)]
@@ -91,7 +110,7 @@ defaults
     retries 3
     retry-on conn-failure
     option redispatch 1
-    errorfile 503 {error_page}
+{chr(10).join(f"    errorfile {code} {error_pages}/{code}.http" for code in ERROR_PAGES)}
 
 frontend api
     bind {bind}
@@ -122,12 +141,17 @@ backend live
 """
 
 
-def error_page() -> bytes:
-    """The balancer's answer when no node is up: the API's error shape, `503`."""
-    body = UNAVAILABLE.encode()
+def error_page(code: int) -> bytes:
+    """The balancer's answer `code` of `ERROR_PAGES`, a whole HTTP response in the API's error
+    shape: `503` when no node is up (retry after a few seconds), `502` and `504` when the
+    node serving a request stopped or went silent before it answered."""
+    reason, text = ERROR_PAGES[code]
+    body = text.encode()
+    retry = b"Retry-After: 2\r\n" if code == 503 else b""
     return (
-        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        b"Retry-After: 2\r\nCache-Control: no-cache\r\nConnection: close\r\n"
+        f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\n".encode()
+        + retry
+        + b"Cache-Control: no-cache\r\nConnection: close\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
@@ -144,12 +168,13 @@ def compose_files() -> dict[Path, bytes]:
         bind="*:8000",
         backends=COMPOSE_NODES,
         admin_socket="/tmp/haproxy-admin.sock",
-        error_page="/usr/local/etc/haproxy/503.http",
+        error_pages="/usr/local/etc/haproxy",
         stats_bind="*:8404",
         max_connections=20000,
         dns="127.0.0.11:53",  # Docker's own, on every container's network
     )
-    return {COMPOSE_DIR / "haproxy.cfg": config.encode(), COMPOSE_DIR / "503.http": error_page()}
+    pages = {COMPOSE_DIR / f"{code}.http": error_page(code) for code in ERROR_PAGES}
+    return {COMPOSE_DIR / "haproxy.cfg": config.encode(), **pages}
 
 
 class LoadBalancer:
@@ -174,14 +199,15 @@ class LoadBalancer:
             bind=f"127.0.0.1:{self.port}",
             backends=[f"127.0.0.1:{port}" for port in self.backends],
             admin_socket=str(self.admin_socket),
-            error_page=str(self.data_dir / "503.http"),
+            error_pages=str(self.data_dir),
             stats_bind=f"127.0.0.1:{self.stats_port}",
             max_connections=maxconn(),
         )
 
     def write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        (self.data_dir / "503.http").write_bytes(error_page())
+        for code in ERROR_PAGES:
+            (self.data_dir / f"{code}.http").write_bytes(error_page(code))
         path = self.data_dir / "haproxy.cfg"
         path.write_text(self.config())
         return path

@@ -6,6 +6,8 @@ keep being answered through the balancer once a node is gone."""
 
 from __future__ import annotations
 
+import http.server
+import threading
 import uuid
 from pathlib import Path
 
@@ -101,3 +103,42 @@ def test_with_no_node_up_the_balancer_answers_in_the_api_s_error_shape(tmp_path:
         assert answer.json()["error"]["code"] == "unavailable"
     finally:
         lb.stop()
+
+
+class _DropsRequests(http.server.BaseHTTPRequestHandler):
+    """A node that passes the balancer's health checks and stops before answering anything
+    else, as a node killed in the middle of a request does."""
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/health"):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self.close_connection = True  # closed without a byte of an answer
+
+    do_POST = do_GET
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_a_node_lost_mid_request_gets_the_api_s_error_shape_not_the_balancer_s_page(
+    tmp_path: Path,
+) -> None:
+    node = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DropsRequests)
+    threading.Thread(target=node.serve_forever, daemon=True).start()
+    lb = LoadBalancer(tmp_path / "lb", free_port(), [node.server_address[1]])
+    lb.start()
+    try:
+        wait_until(lambda: _routable(lb) == {"api1"}, 30, "the balancer to find the node up")
+        answer = requests.post(f"{lb.url}/commands/register-customer", json={}, timeout=30)
+        assert answer.status_code == 502, answer.text
+        assert answer.headers["Content-Type"] == "application/json"
+        error = answer.json()["error"]
+        assert error["code"] == "node_lost"
+        assert "Idempotency-Key" in error["message"]
+    finally:
+        lb.stop()
+        node.shutdown()
+        node.server_close()
