@@ -29,6 +29,7 @@ from cdc import pgoutput
 from cdc.changes import Change, WalPosition, record_for
 from config.settings import Settings, slot_name
 from config.topics import Topics
+from events.store import close_within
 from projections.base.wire import wire_row, wire_value
 from projections.registry import CAPTURED
 
@@ -145,7 +146,7 @@ class Capture:
             self._consume(cur, producer)
         finally:
             conn.close()
-            producer.close(timeout=1)
+            close_within(producer, 1)
 
     def _consume(self, cur: Any, producer: KafkaProducer) -> None:
         begin: pgoutput.Begin | None = None

@@ -65,13 +65,14 @@ class CommandBus:
         producer (new metadata, a new producer id). kafka-python's idempotent producer can stay
         stuck on a partition whose leader moved, every batch there expiring for minutes: seen
         when a broker of a cluster was killed and came back."""
-        close = broken.close
         with self._lock:
             if self._producer is not broken:
                 return
             self._producer = None
         # Not from here: this runs on the producer's own sender thread, which close() joins.
-        threading.Thread(target=close, kwargs={"timeout": 0}, daemon=True).start()
+        # Bounded and never raising: a close whose records are still unacknowledged raised
+        # (in that thread) instead of dropping them.
+        threading.Thread(target=close_within, args=(broken, 1.0), daemon=True).start()
 
     def new_message(self, **fields: object) -> CommandMessage:
         """A command addressed to this process's replies, expiring after the reply timeout."""
