@@ -42,13 +42,17 @@ from app.hub import Client, compact
 
 log = logging.getLogger(__name__)
 
-SWEEP_S = 1.0  # how often idle sockets are looked at (heartbeats)
+# How often idle sockets are looked at for heartbeats: ten times a second, so that ten thousand
+# idle sockets (a thousand heartbeats a second at the default 10 s) are a hundred per sweep,
+# not a thousand at once that a REST request arriving meanwhile waits behind.
+SWEEP_S = 0.1
 # Sockets written between two yields of the writer's thread (to the gevent worker's other
 # greenlets, or the GIL): a change to ten thousand subscribers is written in slices, and a REST
 # request in between waits for one slice (about a millisecond), not the whole fan-out. The
 # yield is a sleep, however short: gevent's `sleep(0)` may resume the writer before the loop
 # polls for I/O, so a request that has just arrived would still wait.
 SLICE = 64
+BEAT_SLICE = 16  # heartbeats between two yields (each is a send: a slice is ~0.2 ms)
 YIELD_S = 1e-6
 # A server's frames are not masked: a heartbeat is the same bytes on every socket.
 HEARTBEAT = bytes(
@@ -366,8 +370,8 @@ class Writer:
                 due.append(heapq.heappop(self._due)[2])
         later = []
         for seen, outlet in enumerate(due, start=1):
-            if seen % SLICE == 0:
-                time.sleep(YIELD_S)  # (thousands due at once: in slices, as `_run` writes)
+            if seen % BEAT_SLICE == 0:
+                time.sleep(YIELD_S)  # (many due at once: in slices, as `_run` writes)
             if outlet not in self.outlets:  # gone since
                 continue
             if outlet.done:

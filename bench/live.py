@@ -459,6 +459,7 @@ def idle_sockets(args: argparse.Namespace) -> dict[str, Any]:
             procs.stop()
     without = statistics.median(r["rest_p99_ms_without"] for r in rounds)
     with_sockets = statistics.median(r["rest_p99_ms_with"] for r in rounds)
+    unread = statistics.median(r["rest_p99_ms_with_clients_not_reading"] for r in rounds)
     return {
         "benchmark": "live-idle-sockets",
         "process_settings": env,
@@ -470,6 +471,8 @@ def idle_sockets(args: argparse.Namespace) -> dict[str, Any]:
         "rest_p99_ms_without": without,
         "rest_p99_ms_with": with_sockets,
         "rest_p99_with/without": with_sockets / without,
+        "rest_p99_ms_with_clients_not_reading": unread,
+        "rest_p99_with_clients_not_reading/without": unread / without,
         "rounds": rounds,
     }
 
@@ -496,6 +499,13 @@ def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> 
         fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE, clients)
         rss_with = rss_mib(tree(api_proc.pid))
         with_sockets = _rest_p99(url, keys, args.requests)
+        # The same with the clients not reading meanwhile (the API still sends every heartbeat):
+        # what their own CPU, on the cores the API and this process share, adds.
+        for fleet in fleets:
+            fleet.ask("pause")
+        with_unread = _rest_p99(url, keys, args.requests)
+        for fleet in fleets:
+            fleet.ask("resume")
         open_now = sum(f.ask("status")["snapshots"] - f.ask("status")["closed"] for f in fleets)
         return {
             "connected": connected,
@@ -507,6 +517,7 @@ def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> 
             "api_threads": threads(tree(api_proc.pid)),
             "rest_p99_ms_without": without,
             "rest_p99_ms_with": with_sockets,
+            "rest_p99_ms_with_clients_not_reading": with_unread,
         }
     finally:
         for fleet in fleets:

@@ -151,6 +151,16 @@ def _run(urls: list[str], subscribe: dict[str, Any], control: Connection) -> Non
                         "changes": got.changes,
                     }
                 )
+            elif op in ("pause", "resume"):
+                # The clients stop reading (their frames wait in the kernel's socket buffers),
+                # as if they ran on other machines: their own CPU leaves this one's cores.
+                for s in subscribers:
+                    if s.closed is None:
+                        if op == "pause":
+                            selector.unregister(s.sock)
+                        else:
+                            selector.register(s.sock, selectors.EVENT_READ, s)
+                control.send(True)
             elif op == "reset":
                 got = Received()
                 control.send(True)
