@@ -33,7 +33,7 @@ Check = Callable[[], dict[str, Status]]
 
 STALE_S = 60.0
 # Keys of a status that may name hosts, ports or data: for the logs and `admin` callers only.
-PRIVATE = ("error", "master")
+PRIVATE = ("error", "master", "first_parked_error")
 
 
 class HealthChecks:
@@ -106,6 +106,13 @@ class HealthChecks:
             }
             if "data_loss" in lag:
                 each[name]["data_loss"] = lag["data_loss"]
+            # Events parked behind one its fold could not apply (guarantee 26): the view is
+            # up, and behind for those aggregates only.
+            for key in ("parked_events", "parked_aggregates", "skipped_events"):
+                if key in lag:
+                    each[name][key] = lag[key]
+            if "first_parked_error" in lag:
+                each[name]["first_parked_error"] = lag["first_parked_error"]
             if "counted" in lag:  # figures its views declare (`View.counted`)
                 each[name]["counted"] = lag["counted"]
             if "failed" in lag:
@@ -393,9 +400,10 @@ def public(components: dict[str, Status]) -> dict[str, Status]:
 
 def public_lag(lag: dict[str, Any]) -> dict[str, Any]:
     """A fold's lag (`ReadModel.lag`) as a caller without `admin` sees it: that it failed and
-    where, how many offsets were lost, but not the failure's text nor the lost ranges (the
-    text can quote an event's data; both are in the logs and shown to `admin` callers)."""
-    shown = {k: v for k, v in lag.items() if k != "data_loss"}
+    where, how many offsets were lost and events parked, but not the failure's text, the
+    parked events' first error nor the lost ranges (the texts can quote an event's data; all
+    are in the logs and shown to `admin` callers)."""
+    shown = {k: v for k, v in lag.items() if k not in ("data_loss", "first_parked_error")}
     if "failed" in shown:
         shown["failed"] = {k: v for k, v in shown["failed"].items() if k != "error"}
     return shown

@@ -71,6 +71,14 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.parked = Gauge(
+            "logfold_parked_events",
+            "Events a projection parked behind one its fold could not apply (see "
+            "logfold dead-letters list)",
+            ["component"],
+            registry=self.registry,
+        )
+
         self.failed = Gauge(
             "logfold_component_failed",
             "1 while the projection or join is stopped by an error (see /health for it)",
@@ -91,6 +99,8 @@ class Metrics:
                 self.late_events.labels(name).set(status["late_events"])
             if "lost_offsets" in status:
                 self.lost.labels(name).set(status["lost_offsets"])
+            if "parked_events" in status:
+                self.parked.labels(name).set(status["parked_events"])
             if "undecodable_records" in status:
                 self.undecodable.labels(name).set(status["undecodable_records"])
             for label, rows in status.get("counted", {}).items():

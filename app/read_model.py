@@ -19,7 +19,8 @@ from cdc.changes import Snapshot
 from commands.messages import LogPosition
 from config.settings import Settings, kafka_fetch_bounds, slot_name, sqlalchemy_url
 from config.topics import Topics, partition_of
-from projections.base import Fold, View
+from projections.base import Fold, Projection, View
+from projections.base.dead_letters import Summary, summaries
 from projections.base.progress import table as progress_table
 from projections.base.wire import wire_row, wire_value
 from projections.registry import FOLDS, writers
@@ -169,6 +170,12 @@ class ReadModel:
         with self.engine.connect() as conn:
             rows = conn.execute(sa.select(progress_table)).fetchall()
         return {r.projection: dict(r._mapping) for r in rows}
+
+    def dead_letters(self) -> dict[str, Summary]:
+        """Each projection's parked and skipped events (guarantee 26), where it has any."""
+        with self.engine.connect() as conn:
+            raw = conn.connection.driver_connection  # psycopg's: the store's queries
+            return summaries(raw)  # type: ignore[arg-type]
 
     def projector_status(self) -> dict[str, Any] | None:
         """The projector's last status (spark/status.py) and its age in seconds by the
@@ -341,6 +348,7 @@ class ReadModel:
         behind, late events seen, generation, offsets removed from the log before it applied
         them (and the last such ranges), and its failure if it failed."""
         ends, progress = self.end_offsets(), self.progress()
+        letters = self.dead_letters()
         now = datetime.now(UTC)
         out = {}
         for name, fold in FOLDS.items():
@@ -358,6 +366,15 @@ class ReadModel:
             }
             if p.get("data_loss"):
                 out[name]["data_loss"] = p["data_loss"]
+            if isinstance(fold, Projection):  # it parks what its fold cannot apply
+                parked = letters.get(name, Summary())
+                out[name].update(
+                    parked_events=parked.parked_events,
+                    parked_aggregates=parked.parked_aggregates,
+                    skipped_events=parked.skipped_events,
+                )
+                if parked.first_error is not None:
+                    out[name]["first_parked_error"] = parked.first_error
             if counted := self.counted(fold):
                 out[name]["counted"] = counted
             if p.get("error"):

@@ -27,6 +27,7 @@ from spark.sink import (
     drop_keys,
     merge_json,
 )
+from streams.registry import STREAMS
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ WIRE_TIME = "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"  # timestamps as ISO text in UTC
 
 
 # The first columns of a collected row: where the record is in the log, whether it is at its
-# type's current schema version, its id, and its log time and delay (log time - event time),
-# in microseconds (for watermarks and counting stream records once).
+# type's current schema version, its id, its log time and delay (log time - event time), in
+# microseconds (for watermarks and counting stream records once), and its aggregate (what a
+# poison event parks with it: `spark/parking.py`).
 def position() -> list[Column]:
     return [
         F.col("topic"),
@@ -45,11 +47,22 @@ def position() -> list[Column]:
         F.col("event_id"),
         F.unix_micros(F.col("timestamp")).alias("log_us"),
         (F.unix_micros(F.col("timestamp")) - F.unix_micros(F.col("occurred_at"))).alias("delay_us"),
+        aggregate_column().alias("aggregate"),
     ]
 
 
-TOPIC, PARTITION, OFFSET, CURRENT, ID, LOG_US, DELAY_US = range(7)
-POSITION = 7  # columns
+TOPIC, PARTITION, OFFSET, CURRENT, ID, LOG_US, DELAY_US, AGGREGATE = range(8)
+POSITION = 8  # columns
+
+
+def aggregate_column() -> Column:
+    """The aggregate an event belongs to (its aggregate id), or for a stream record the value of
+    its stream's key (the field its records are kept in order by); "" for neither."""
+    key = F.col("aggregate_id")
+    for s in STREAMS.values():
+        of_stream = F.when(F.col("aggregate_type") == s.name, F.col("data")[s.key].cast("string"))
+        key = F.coalesce(key, of_stream)
+    return F.coalesce(key, F.lit(""))
 
 
 def rows_json(output: Output) -> Column:

@@ -3,6 +3,8 @@
 - `events` (spark/event_pipeline.py) folds the event log into every projection's views;
 - `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views;
 
+and a thread applies the parked events whose retry was asked for (spark/parking.py);
+
 each in Spark's real-time mode where it can (spark/realtime.py), else in micro-batches.
 
 Each fold keeps its own progress in Postgres, so a query always starts from the offsets after
@@ -30,7 +32,9 @@ from config.settings import Settings
 from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
 from spark.event_pipeline import EventPipeline, Running, realtime_partitions, realtime_slots
+from spark.event_rows import keep_ids
 from spark.join import JoinPipeline
+from spark.parking import Retrier
 from spark.realtime import RealTimeEvents, RealTimeJoins
 from spark.session import quiet_stop, session
 from spark.status import StatusBeat
@@ -112,6 +116,12 @@ class Projector:
                 realtime_mode=RealTimeJoins if realtime else None,
             )
         self.queries: dict[str, Running] = {}
+        # Applies parked events whose retry was asked for (`logfold dead-letters retry`).
+        self.retrier = (
+            Retrier(self.spark, settings, chosen, lambda p: keep_ids(p, settings))
+            if chosen
+            else None
+        )
         self._stopping = threading.Event()
         needed = realtime_slots(settings, chosen, joined) if realtime else 0
         self.status = StatusBeat(settings, self.spark, self.query_status, needed)
@@ -142,6 +152,8 @@ class Projector:
             self.start(name)
         log.info("projector running: %s", ", ".join(self.queries))
         self.status.start()
+        if self.retrier is not None:
+            self.retrier.start()
         failures: dict[str, int] = {}
         restart_at: dict[str, float] = {}
         try:
@@ -163,6 +175,8 @@ class Projector:
                         del restart_at[name]
                         self.start(name)
         finally:
+            if self.retrier is not None:
+                self.retrier.stop()
             self.status.stop(remove=self._stopping.is_set())
             if self._stopping.is_set() and self._own_spark:
                 quiet_stop(self.spark, self.settings)

@@ -30,11 +30,13 @@ What real-time mode cannot do stays on micro-batches (`EventPipeline.micro_batch
 - catching up: each start first runs micro-batches up to the log's end, then the real-time
   query starts from the folds' progress;
 - a projection whose rows raise stops the whole events query (Spark cannot leave one column
-  out). The micro-batches that catch up after it find that projection alone, as they always
-  do (guarantee 16), mark it failed, and the next query runs without it. A query that stops
-  again without a new failure found is not a projection's fault: the error is raised, and
-  the projector starts the pipeline again after a pause. (A join fails in Postgres, in the
-  thread, alone: its query only decodes records.)
+  out). The micro-batches that catch up after it find the event that raises and park it with
+  the rest of its aggregate (guarantee 26, `spark/parking.py`; a projection whose every event
+  fails is marked failed, guarantee 16, and the next query runs without it). The next query
+  never computes the rows of a parked aggregate's events for that projection. A query that
+  stops again without anything parked or failed is not a projection's fault: the error is
+  raised, and the projector starts the pipeline again after a pause. (A join fails in
+  Postgres, in the thread, alone: its query only decodes records.)
 - events at an older schema version: their rows come as null, and the Python upcasters run
   in a Spark batch job over just their offsets, from this thread, before the poll is applied.
 """
@@ -290,11 +292,12 @@ class RealTimeEvents(RealTime):
         stopped_by: BaseException | None = None
         live: set[str] = set()
         while not self._stopping.is_set():
+            parked = self.sink.parked
             self._catch_up(self.pipeline.micro_batches(self.sink, catch_up=True))
             if self._stopping.is_set():
                 break
             names = {p.name for p in self.sink.active}
-            if stopped_by is not None and names == live:
+            if stopped_by is not None and names == live and self.sink.parked == parked:
                 self.query_failed = True  # the micro-batches found no projection at fault
                 raise stopped_by
             if not names:
@@ -316,7 +319,7 @@ class RealTimeEvents(RealTime):
             self.pipeline.topic_names(), self.pipeline.starting_offsets(names)
         ).load()
         events = every_event(parse_events(records, self.pipeline.stream_names()))
-        rows = self.sink.with_rows(events, names)
+        rows = self.sink.with_rows(events, names, self.sink.parked_now())
         return self._write_rows(rows, generation, QUERY), len(rows.columns)
 
     def _apply(self, rows: list[Any]) -> dict[str, int]:

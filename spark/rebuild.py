@@ -49,6 +49,7 @@ from spark.decode import (
     upcast,
 )
 from spark.event_rows import (
+    AGGREGATE,
     CURRENT,
     LOG_US,
     POSITION,
@@ -62,6 +63,7 @@ from spark.event_rows import (
     share_of,
     upcast_rows,
 )
+from spark.parking import Excluded, excluded, without_excluded
 from spark.sink import (
     apply_events,
     bulk_load,
@@ -154,7 +156,7 @@ def replay(
         share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
     # An output that stages its rows gets those of the events Spark counted by COPY (the rows
     # of records Python saw follow as JSON, in `merge_share`).
-    on_time = mine.select("*", *position()[LOG_US:]).where(~python & ~late)
+    on_time = mine.select("*", *position()[LOG_US:AGGREGATE]).where(~python & ~late)
     for o in p.outputs:
         if o.staged is not None:
             merge_staged(conn, settings.database(), o, on_time, suffix, empty)
@@ -169,6 +171,10 @@ class Report:
     seconds: float
     rows: dict[str, int] = field(default_factory=dict)
     differences: dict[str, list[Any]] | None = None  # with verify: rows only in old / new
+    # Left out, as the live view leaves them out (spark/parking.py): aggregates parked (from
+    # their first parked event on) and events skipped on purpose.
+    parked_aggregates: int = 0
+    skipped_events: int = 0
     # Seconds of each step: "read" (the shared read, whole), "load" (its shadows), "swap"
     # (catch-up and swap).
     steps: dict[str, float] = field(default_factory=dict)
@@ -179,6 +185,7 @@ class Rebuild:
         self.settings, self.spark = settings, spark
         self.topics = Topics(settings.topic_prefix)
         self.url = settings.database()
+        self.excluded: dict[str, Excluded] = {}  # per projection, as the rebuild started
 
     def _read(
         self, projection: Projection, starting: str, ending: str, assign: str | None = None
@@ -186,8 +193,14 @@ class Rebuild:
         names = self._names(projection)
         raw = read_batch(self.spark, self.settings.kafka(), names, starting, ending, assign)
         if projection.replayed:  # the live pipeline's columns
-            return every_event(parse_events(raw, self._streams([projection])))
-        return decode_events(raw)
+            return self._without_excluded(
+                projection, every_event(parse_events(raw, self._streams([projection])))
+            )
+        return self._without_excluded(projection, decode_events(raw))
+
+    def _without_excluded(self, projection: Projection, events: DataFrame) -> DataFrame:
+        parked, skipped = self.excluded.get(projection.name, ([], []))
+        return without_excluded(self.spark, events, parked, skipped)
 
     def _streams(self, projections: list[Projection]) -> dict[str, str]:
         return {self.topics.stream(s): s for p in projections for s in p.streams}
@@ -221,6 +234,8 @@ class Rebuild:
         if not projections:
             return []
         started = time.monotonic()
+        with psycopg.connect(self.url) as conn:
+            self.excluded = {p.name: excluded(conn, p.name) for p in projections}
         names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
         # One cached read: every record decoded, its data into the fields the views read
@@ -289,7 +304,7 @@ class Rebuild:
     ) -> tuple[dict[str, int], tuple[int, int]]:
         """Fill `p`'s shadows from the whole log's `events`; returns the offsets they cover
         and the events applied and late, as the live projector counts them."""
-        mine = events.where(F.col("topic").isin(self._names(p)))
+        mine = self._without_excluded(p, events.where(F.col("topic").isin(self._names(p))))
         if p.replayed:
             with psycopg.connect(self.url) as conn:
                 # Secondary indexes are built once after the whole log, not row by row
@@ -369,6 +384,13 @@ class Rebuild:
             conn.execute(f"SET LOCAL work_mem = '{WORK_MEM}'")
             conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
             live = lock_progress(conn, projection.name)  # live batches wait from here
+            left_out = excluded(conn, projection.name)
+            if left_out != self.excluded.get(projection.name, ([], [])):
+                raise RuntimeError(
+                    f"{projection.name}: its parked or skipped events changed during the rebuild "
+                    "(a retry or a skip ran); run the rebuild again"
+                )
+            report.parked_aggregates, report.skipped_events = len(left_out[0]), len(left_out[1])
             # Bring both to the same position: the shadow to what the live view has applied,
             # the live view to what the snapshot read (as its next batches would have).
             behind_live = {k: v for k, v in live.items() if v > covered.get(k, -1)}

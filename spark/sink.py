@@ -76,9 +76,17 @@ def mark_running(conn: psycopg.Connection[Any], names: list[str]) -> None:
     )
 
 
-def mark_failed(conn: psycopg.Connection[Any], name: str, error: str, offsets: Offsets) -> None:
-    """Record that `name` could not apply the records after `offsets` (it keeps them)."""
-    first = {k: v + 1 for k, v in offsets.items()}
+def mark_failed(
+    conn: psycopg.Connection[Any],
+    name: str,
+    error: str,
+    offsets: Offsets,
+    starts: Offsets | None = None,
+) -> None:
+    """Record that `name` could not apply the records after `offsets` (it keeps them);
+    `starts`: the first offsets of the records it failed on, for partitions it has no progress
+    in."""
+    first = {**(starts or {}), **{k: v + 1 for k, v in offsets.items()}}
     conn.execute(
         "UPDATE projection_progress SET error = %s, error_offsets = %s, failed_at = now() "
         "WHERE projection = %s",

@@ -237,6 +237,12 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
             f"{name}: {report.events} events in {report.seconds:.1f}s "
             f"({rate:,.0f} events/s); {rows}"
         )
+        parked, skipped = (getattr(report, f, 0) for f in ("parked_aggregates", "skipped_events"))
+        if parked or skipped:
+            click.echo(
+                f"  left out, as the live view leaves them out: the parked events of {parked} "
+                f"aggregates, {skipped} skipped events (logfold dead-letters list {name})"
+            )
         for table, diff in (report.differences or {}).items():
             differences += len(diff)
             status = "identical to the live view" if not diff else f"{len(diff)} differences"
@@ -245,6 +251,140 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
                 click.echo(f"    {row}")
     if differences:
         sys.exit(1)
+
+
+@main.group("dead-letters")
+def dead_letters() -> None:
+    """Events a projection's fold could not apply, parked with every later event of their
+    aggregate while the rest flows: list them, retry them once the fold is fixed, or skip them
+    on purpose (see docs/operations.md, Dead letters)."""
+
+
+def _projection(name: str) -> str:
+    from projections.registry import PROJECTIONS
+
+    if name not in PROJECTIONS:
+        raise click.BadParameter(
+            f"unknown projection {name!r}; known: {', '.join(PROJECTIONS)}", param_hint="PROJECTION"
+        )
+    return name
+
+
+@dead_letters.command("list")
+@click.argument("projection", required=False)
+@click.option("--aggregate", help="Only this aggregate's (for a stream, this key's) events.")
+@click.option("--skipped", is_flag=True, help="The events skipped on purpose instead.")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+def dead_letters_list(
+    projection: str | None, aggregate: str | None, skipped: bool, limit: int
+) -> None:
+    """List parked events (of PROJECTION, or every projection), in log order."""
+    import psycopg
+
+    from projections.base import dead_letters as store
+
+    if projection is not None:
+        _projection(projection)
+    table = "skipped_events" if skipped else "parked_events"
+    with psycopg.connect(_settings().database()) as conn:
+        found = store.letters(conn, projection, aggregate, limit, table=table)
+        summaries = store.summaries(conn)
+    for name, summary in sorted(summaries.items()):
+        if projection in (None, name):
+            click.echo(
+                f"{name}: {summary.parked_events} parked events of "
+                f"{summary.parked_aggregates} aggregates, {summary.skipped_events} skipped"
+            )
+    for letter in found:
+        click.echo(
+            f"  {letter.projection}  {letter.aggregate}  "
+            f"{letter.topic}:{letter.partition}:{letter.offset}  {letter.error}"
+        )
+    if not found:
+        click.echo("nothing skipped" if skipped else "nothing parked")
+
+
+@dead_letters.command("retry")
+@click.argument("projection")
+@click.option("--aggregate", help="Only this aggregate's events (default: every one parked).")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait while the projector applies them, with a progress bar.",
+)
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait.")
+def dead_letters_retry(projection: str, aggregate: str | None, wait: bool, timeout: float) -> None:
+    """Ask the running projector to apply PROJECTION's parked events again, in order (after a
+    fix to its fold is deployed). An event that fails again stops its aggregate there, with
+    its new error. Exits 1 if any is still parked when the wait ends."""
+    import time
+
+    import psycopg
+    from tqdm import tqdm
+
+    from projections.base import dead_letters as store
+
+    _projection(projection)
+    with psycopg.connect(_settings().database()) as conn:
+        asked = store.request_retry(conn, projection, aggregate)
+    click.echo(f"asked the projector to retry {asked} parked events of {projection}")
+    if not wait or not asked:
+        return
+
+    def still() -> tuple[int, int]:
+        with psycopg.connect(_settings().database()) as conn:
+            row = conn.execute(
+                "SELECT count(*), count(*) FILTER (WHERE retry_requested_at IS NOT NULL) "
+                "FROM parked_events WHERE projection = %s AND (%s::text IS NULL OR aggregate = %s)",
+                (projection, aggregate, aggregate),
+            ).fetchone()
+        return (row[0], row[1]) if row else (0, 0)
+
+    deadline = time.monotonic() + timeout
+    with tqdm(total=asked, unit="ev", desc=f"retry {projection}") as bar:
+        while True:
+            parked, waiting = still()
+            bar.n = max(0, asked - waiting)
+            bar.refresh()
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    if parked:
+        click.echo(
+            f"{parked} events still parked (logfold dead-letters list {projection}); "
+            + ("the wait ended" if waiting else "one failed again")
+        )
+        sys.exit(1)
+    click.echo("every parked event applied")
+
+
+@dead_letters.command("skip")
+@click.argument("projection")
+@click.option("--aggregate", required=True, help="The aggregate (for a stream, the key).")
+@click.option("--reason", required=True, help="Why: recorded with what is skipped.")
+@click.option(
+    "--every",
+    is_flag=True,
+    help="Skip every parked event of the aggregate, not only the first (the one that failed).",
+)
+def dead_letters_skip(projection: str, aggregate: str, reason: str, every: bool) -> None:
+    """Skip, on purpose and on record, the parked event of PROJECTION that failed for the
+    aggregate (and, with --every, the ones behind it); the rest are retried. The view then
+    differs from the fold of the log by exactly what is skipped (`list --skipped`; a
+    rebuild leaves the same out)."""
+    import psycopg
+
+    from projections.base import dead_letters as store
+
+    _projection(projection)
+    with psycopg.connect(_settings().database()) as conn:
+        skipped = store.skip(conn, projection, aggregate, reason, every)
+    if not skipped:
+        click.echo(f"nothing of {aggregate} is parked in {projection}")
+        sys.exit(1)
+    for letter in skipped:
+        click.echo(f"skipped {letter.topic}:{letter.partition}:{letter.offset}  {letter.error}")
 
 
 @main.command()

@@ -5,6 +5,8 @@ the records removed from the log before it could apply them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import BigInteger, Column, DateTime, Index, Integer, Table, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -58,4 +60,32 @@ stream_ids = Table(
     Column("id", Text, primary_key=True),
     Column("first_at", DateTime(timezone=True), nullable=False),  # log time of its first copy
     Index("ix_stream_ids_first_at", "fold", "first_at"),
+)
+
+
+def _letters(name: str, *extra: Column[Any]) -> Table:
+    return Table(
+        name,
+        metadata,
+        Column("projection", Text, primary_key=True),
+        Column("topic", Text, primary_key=True),
+        Column("partition", Integer, primary_key=True),
+        Column("offset", BigInteger, primary_key=True),
+        Column("aggregate", Text, nullable=False),  # aggregate id; for a stream, the record's key
+        Column("error", Text, nullable=False),  # why it is parked (its own error, or whose)
+        Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        *extra,
+        Index(f"ix_{name}_aggregate", "projection", "topic", "aggregate", "partition", "offset"),
+    )
+
+
+# Dead letters (guarantee 26): an event a projection's fold could not apply, and every later
+# event of its aggregate, parked in log order while the rest flows (`spark/parking.py`); a retry
+# applies them in order and deletes them in the same transaction. `logfold dead-letters`.
+parked_events = _letters("parked_events", Column("retry_requested_at", DateTime(timezone=True)))
+# What was parked and then skipped on purpose: the view leaves exactly these out.
+skipped_events = _letters(
+    "skipped_events",
+    Column("skipped_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("reason", Text, nullable=False),
 )

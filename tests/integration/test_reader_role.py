@@ -25,7 +25,7 @@ from tests.support import new_deployment
 
 pytestmark = pytest.mark.integration
 
-SERVED = {*VIEWS, str(progress.name), "projector_status"}
+SERVED = {*VIEWS, str(progress.name), "projector_status", "parked_events", "skipped_events"}
 # Tables of the folds' own state: customer ids and fields that no view shows.
 STATE = {"join_state", "stream_ids", "conversion_views", "conversion_orders"}
 # The webhook endpoints the API registers (through `logfold_webhooks`, migration 0013).
