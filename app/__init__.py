@@ -12,6 +12,7 @@ from flask import Flask
 from app import (
     asyncapi,
     commands_api,
+    dead_letters_api,
     errors,
     feeds_api,
     live_page,
@@ -85,6 +86,7 @@ def create_app(settings: Settings, **overrides: Any) -> Flask:
     app.register_blueprint(feeds_api.bp)  # before views': `/views/<v>/events` is not a key
     app.register_blueprint(views_api.bp)
     app.register_blueprint(webhooks_api.bp)
+    app.register_blueprint(dead_letters_api.bp)
     app.register_blueprint(ws_api.bp)
     app.register_blueprint(live_page.bp)
     return app

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any
 
+import psycopg
 from flask import Flask, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
@@ -116,3 +118,16 @@ def register(app: Flask) -> None:
     def _unexpected(e: Exception) -> Response:
         log.exception("unhandled error")
         return error_response(500, "internal", "unexpected server error; it has been logged")
+
+
+def database_unavailable(fn: Any) -> Any:
+    """Route decorator: Postgres away is `503` with Retry-After, never a hang or a `500`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except psycopg.OperationalError as e:
+            raise unavailable("the database is unavailable; try again", e) from e
+
+    return wrapper

@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.dead_letters_api import MAX_LIMIT as DEAD_LIMIT
+from app.dead_letters_api import MAX_REASON
 from app.feeds_api import MAX_LIMIT as CHANGES_LIMIT
 from app.streams_api import MAX_BYTES, MAX_RECORDS
 from app.views_api import MAX_LIMIT, MAX_WAIT_S
@@ -14,7 +16,7 @@ from app.webhooks_api import MAX_LIMIT as DELIVERIES_LIMIT
 from app.webhooks_api import MAX_URL, STATUSES
 from commands.registry import COMMANDS
 from commands.schemas import CommandRequest
-from projections.registry import VIEWS
+from projections.registry import PROJECTIONS, VIEWS
 from streams.registry import STREAMS
 
 ERRORS = {
@@ -133,6 +135,7 @@ def build_spec() -> dict[str, Any]:
     paths.update(stream_paths(errors))
     paths.update(view_paths(errors))
     paths.update(webhook_paths(errors))
+    paths.update(dead_letter_paths(errors))
     paths.update(operations_paths(errors))
     return {
         "openapi": "3.1.0",
@@ -490,6 +493,165 @@ DEAD_LETTER = {
         "replayed_at": {"type": ["string", "null"], "format": "date-time"},
     },
 }
+
+
+LETTER = {
+    "type": "object",
+    "properties": {
+        "projection": {"type": "string"},
+        "topic": {"type": "string"},
+        "partition": {"type": "integer"},
+        "offset": {"type": "integer"},
+        "aggregate": {"type": "string", "description": "aggregate id (a stream's: its key)"},
+        "error": {"type": "string", "description": "why it is parked: its error, or whose"},
+        "parked_at": {"type": "string", "format": "date-time"},
+        "retry_requested": {"type": "boolean"},
+        "skip_reason": {"type": ["string", "null"]},
+    },
+}
+
+
+def dead_letter_paths(errors: dict[str, Any]) -> dict[str, Any]:
+    """`/dead-letters…` (scope `admin`): the projections' parked events (guarantee 26;
+    docs/operations.md, Dead letters)."""
+    security = [{"bearer": ["admin"]}]
+    name = {
+        "name": "projection",
+        "in": "path",
+        "required": True,
+        "schema": {"enum": sorted(PROJECTIONS)},
+    }
+    text = {"type": "string", "minLength": 1, "maxLength": MAX_REASON}
+    asked = {
+        "type": "object",
+        "properties": {
+            "projection": {"type": "string"},
+            "retry_requested": {"type": "integer"},
+            "skip_requested": {"type": "integer"},
+        },
+    }
+    summary = {
+        "type": "object",
+        "properties": {
+            "projections": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "projection": {"type": "string"},
+                        "parked_events": {"type": "integer"},
+                        "parked_aggregates": {"type": "integer"},
+                        "skipped_events": {"type": "integer"},
+                        "first_error": {"type": ["string", "null"]},
+                    },
+                },
+            }
+        },
+    }
+    return {
+        "/dead-letters": {
+            "get": {
+                "summary": "Each projection's parked and skipped events",
+                "operationId": "dead_letters",
+                "tags": ["dead letters"],
+                "security": security,
+                "responses": {
+                    "200": _json(summary, "every projection's counts"),
+                    **_pick(errors, "401", "403", "503"),
+                },
+            }
+        },
+        "/dead-letters/{projection}": {
+            "get": {
+                "summary": "A projection's parked (or skipped) events, in log order",
+                "operationId": "dead_letter_events",
+                "tags": ["dead letters"],
+                "security": security,
+                "parameters": [
+                    name,
+                    {"name": "aggregate", "in": "query", "schema": {"type": "string"}},
+                    {"name": "skipped", "in": "query", "schema": {"enum": ["true", "false"]}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": DEAD_LIMIT},
+                    },
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "properties": {
+                                "projection": {"type": "string"},
+                                "events": {"type": "array", "items": LETTER},
+                            },
+                        },
+                        "the events",
+                    ),
+                    **_pick(errors, "401", "403", "404", "422", "503"),
+                },
+            }
+        },
+        "/dead-letters/{projection}/retry": {
+            "post": {
+                "summary": "Ask the projector to apply the parked events again, in order",
+                "operationId": "retry_dead_letters",
+                "tags": ["dead letters"],
+                "security": security,
+                "parameters": [name],
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {"aggregate": text},
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "202": _json(asked, "asked for; the projector applies them"),
+                    **_pick(errors, "400", "401", "403", "404", "415", "422", "503"),
+                },
+            }
+        },
+        "/dead-letters/{projection}/skip": {
+            "post": {
+                "summary": "Ask the projector to skip an aggregate's failed event, on record",
+                "operationId": "skip_dead_letters",
+                "tags": ["dead letters"],
+                "security": security,
+                "parameters": [name],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["aggregate", "reason"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "aggregate": text,
+                                    "reason": text,
+                                    "every": {
+                                        "type": "boolean",
+                                        "description": "every parked event of the aggregate, "
+                                        "not only the first (the one that failed)",
+                                    },
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "202": _json(asked, "asked for; the rest of the aggregate is retried"),
+                    **_pick(errors, "400", "401", "403", "404", "415", "422", "503"),
+                },
+            }
+        },
+    }
 
 
 def webhook_paths(errors: dict[str, Any]) -> dict[str, Any]:

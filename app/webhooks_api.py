@@ -4,7 +4,6 @@ list and replay their dead letters. Deliveries are the dispatcher's (`logfold we
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import re
 import socket
@@ -12,12 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as Timeout
 from typing import Any
 
-import psycopg
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from kafka.errors import KafkaError
 
 from app.auth import narrowed, require, row_scope
-from app.errors import ApiError, json_object, unavailable
+from app.errors import ApiError, database_unavailable, json_object, unavailable
 from app.read_model import BadValue, coerce
 from config.settings import Settings
 from projections.base.wire import wire_value
@@ -64,19 +62,6 @@ def _storable(value: str) -> bool:
     except UnicodeEncodeError:  # a lone surrogate, from a JSON `\ud800` escape
         return False
     return "\x00" not in value
-
-
-def _database(fn: Any) -> Any:
-    """Postgres away: `503` with Retry-After, never a hang or a `500`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except psycopg.OperationalError as e:
-            raise unavailable("the database is unavailable; try again", e) from e
-
-    return wrapper
 
 
 def _shown(endpoint: Endpoint, secret: bool = False) -> dict[str, Any]:
@@ -203,7 +188,7 @@ def _filter(value: Any, view: str) -> dict[str, Any]:
 
 @bp.post("/webhooks")
 @require("admin")
-@_database
+@database_unavailable
 def create() -> tuple[Response, int, dict[str, str]]:
     settings = _settings()
     body = json_object()
@@ -241,7 +226,7 @@ def create() -> tuple[Response, int, dict[str, str]]:
 
 @bp.get("/webhooks")
 @require("admin")
-@_database
+@database_unavailable
 def list_endpoints() -> Response:
     return jsonify({"webhooks": [_shown(e) for e in _store().all()]})
 
@@ -259,14 +244,14 @@ def _missing(endpoint_id: str) -> ApiError:
 
 @bp.get("/webhooks/<endpoint_id>")
 @require("admin")
-@_database
+@database_unavailable
 def get(endpoint_id: str) -> Response:
     return jsonify(_shown(_endpoint(_store(), endpoint_id)))
 
 
 @bp.patch("/webhooks/<endpoint_id>")
 @require("admin")
-@_database
+@database_unavailable
 def update(endpoint_id: str) -> Response:
     """`{"status": "paused"}` pauses the endpoint (its cursor stays); `{"status": "active"}`
     resumes it from its cursor."""
@@ -285,7 +270,7 @@ def update(endpoint_id: str) -> Response:
 
 @bp.delete("/webhooks/<endpoint_id>")
 @require("admin")
-@_database
+@database_unavailable
 def delete(endpoint_id: str) -> tuple[str, int]:
     if not _storable(endpoint_id) or not _store().delete(endpoint_id):
         raise _missing(endpoint_id)
@@ -294,7 +279,7 @@ def delete(endpoint_id: str) -> tuple[str, int]:
 
 @bp.get("/webhooks/<endpoint_id>/deliveries")
 @require("admin")
-@_database
+@database_unavailable
 def deliveries(endpoint_id: str) -> Response:
     """The endpoint's dead letters (`status`: failed, replaying or delivered; all by default),
     in changelog order, a page at a time (`after`: the last offset of the previous page)."""
@@ -322,7 +307,7 @@ def _int(name: str, default: int | None, low: int, high: int) -> Any:
 
 @bp.post("/webhooks/<endpoint_id>/deliveries/replay")
 @require("admin")
-@_database
+@database_unavailable
 def replay(endpoint_id: str) -> tuple[Response, int]:
     """Deliver failed dead letters again (all, or `{"ids": [...]}`), same ids, oldest first.
     A replayed change may be older than changes of its key delivered since: its `position`

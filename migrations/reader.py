@@ -33,3 +33,37 @@ def grant_select(op: Any, tables: Iterable[str]) -> None:
         $$;
         """
     )
+
+
+def writer_role(op: Any, role: str, grants: Iterable[str]) -> None:
+    """A NOLOGIN role for one narrow kind of write the API makes (`logfold migrate` makes the
+    API's login a member): created when the migrating user may (else a notice says to create
+    it as an administrator), then given CONNECT, USAGE and `grants` (GRANT statements' privilege
+    and object parts, e.g. `SELECT ON t`)."""
+    op.execute(
+        f"""
+        DO $$
+        BEGIN
+            IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
+                CREATE ROLE {role} NOLOGIN;
+            END IF;
+        EXCEPTION WHEN insufficient_privilege THEN
+            RAISE NOTICE 'cannot create role {role}: create it as an administrator';
+        END
+        $$;
+        """
+    )
+    granted = "\n".join(f"GRANT {g} TO {role};" for g in grants)
+    op.execute(
+        f"""
+        DO $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
+                EXECUTE format('GRANT CONNECT ON DATABASE %I TO {role}', current_database());
+                GRANT USAGE ON SCHEMA public TO {role};
+                {granted}
+            END IF;
+        END
+        $$;
+        """
+    )

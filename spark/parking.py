@@ -411,8 +411,13 @@ class Retrier:
                 log.exception("dead letters: a retry failed; it is tried again")
 
     def run_once(self) -> int:
-        """Apply what is asked for; returns the events applied."""
+        """Carry out the skips asked for, then apply the retries asked for; returns the events
+        applied."""
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+            for name in store.skip_requests(conn, self.projections):
+                with conn.transaction():
+                    skipped = store.carry_out_skips(conn, name)
+                log.warning("dead letters: %s skipped %d parked events", name, len(skipped))
             asked = store.retry_requests(conn, self.projections)
         applied = 0
         for name, key in asked:

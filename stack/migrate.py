@@ -24,11 +24,13 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 READER = "logfold_reader"  # made by migration 0007; reads what 0012 grants it
 WEBHOOKS = "logfold_webhooks"  # made by migration 0013; writes the webhook tables only
+DEAD_LETTERS = "logfold_dead_letters"  # made by migration 0015; marks parked events only
 
 
 def ensure_login(owner_url: str, login_url: str) -> str:
     """Make the login of `login_url` (its user, with its password) a member of `logfold_reader`
-    (and of `logfold_webhooks`, which writes the webhook tables only): created if missing, its
+    (and of `logfold_webhooks`, which writes the webhook tables only, and `logfold_dead_letters`,
+    which asks for retries and skips of parked events only): created if missing, its
     password set to the URL's. Run as the owner of `owner_url`, which needs CREATEROLE.
     Returns the login's name; ValueError when it is the owner itself."""
     from urllib.parse import unquote, urlsplit
@@ -51,8 +53,10 @@ def ensure_login(owner_url: str, login_url: str) -> str:
             statement = sql.SQL("{} PASSWORD {}").format(statement, sql.Literal(password))
         conn.execute(statement)
         conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(READER), sql.Identifier(role)))
-        # The API registers webhook endpoints: their tables, and no other, are its to write.
-        if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (WEBHOOKS,)).fetchone():
-            grant = sql.SQL("GRANT {} TO {}")
-            conn.execute(grant.format(sql.Identifier(WEBHOOKS), sql.Identifier(role)))
+        # The API registers webhook endpoints (their tables, and no other, are its to write) and
+        # asks for retries and skips of parked events (marks on them, carried out elsewhere).
+        for writer in (WEBHOOKS, DEAD_LETTERS):
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (writer,)).fetchone():
+                grant = sql.SQL("GRANT {} TO {}")
+                conn.execute(grant.format(sql.Identifier(writer), sql.Identifier(role)))
     return role

@@ -17,6 +17,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from migrations.reader import writer_role
+
 revision = "0013"
 down_revision = "0012"
 branch_labels = None
@@ -91,32 +93,7 @@ def upgrade() -> None:
         ["endpoint_id", "status", "offset"],
     )
     tables = ", ".join(TABLES)
-    op.execute(
-        f"""
-        DO $$
-        BEGIN
-            IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ROLE}') THEN
-                CREATE ROLE {ROLE} NOLOGIN;
-            END IF;
-        EXCEPTION WHEN insufficient_privilege THEN
-            RAISE NOTICE 'cannot create role {ROLE}: create it as an administrator';
-        END
-        $$;
-        """
-    )
-    op.execute(
-        f"""
-        DO $$
-        BEGIN
-            IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{ROLE}') THEN
-                EXECUTE format('GRANT CONNECT ON DATABASE %I TO {ROLE}', current_database());
-                GRANT USAGE ON SCHEMA public TO {ROLE};
-                GRANT SELECT, INSERT, UPDATE, DELETE ON {tables} TO {ROLE};
-            END IF;
-        END
-        $$;
-        """
-    )
+    writer_role(op, ROLE, [f"SELECT, INSERT, UPDATE, DELETE ON {tables}"])
 
 
 def downgrade() -> None:

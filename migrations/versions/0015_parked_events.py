@@ -11,6 +11,11 @@ parked here, in log order, while the projection's other aggregates keep flowing 
 26). A retry applies them in order and removes them in the same transaction; a skip moves them
 to `skipped_events`, which records what the view leaves out. `/health` reads both counts, so
 the reader may read them.
+
+The API asks for retries and skips (`/dead-letters`, scope `admin`) by marking parked rows;
+the projector carries them out. So, as 0013 does for webhooks, a role of its own,
+`logfold_dead_letters` (NOLOGIN), may set only those marks; `logfold migrate` makes the API's
+login a member of it.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from migrations.reader import grant_select
+from migrations.reader import grant_select, writer_role
+
+ROLE = "logfold_dead_letters"
 
 revision = "0015"
 down_revision = "0014"
@@ -50,6 +57,7 @@ def upgrade() -> None:
     _letters(
         "parked_events",
         sa.Column("retry_requested_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("skip_reason", sa.Text(), nullable=True),  # a skip asked for, and why
     )
     _letters(
         "skipped_events",
@@ -62,6 +70,14 @@ def upgrade() -> None:
         sa.Column("reason", sa.Text(), nullable=False),
     )
     grant_select(op, ["parked_events", "skipped_events"])
+    writer_role(
+        op,
+        ROLE,
+        [
+            "SELECT ON parked_events, skipped_events",
+            "UPDATE (retry_requested_at, skip_reason) ON parked_events",
+        ],
+    )
 
 
 def downgrade() -> None:

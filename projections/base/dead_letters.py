@@ -35,6 +35,7 @@ class Letter:
     error: str
     parked_at: datetime
     retry_requested_at: datetime | None = None
+    reason: str | None = None  # of a skip: asked for (parked), or done (skipped)
 
     def shown(self) -> dict[str, Any]:
         return {
@@ -46,6 +47,7 @@ class Letter:
             "error": self.error,
             "parked_at": self.parked_at.isoformat(),
             "retry_requested": self.retry_requested_at is not None,
+            "skip_reason": self.reason,
         }
 
 
@@ -133,7 +135,7 @@ def letters(
     """Parked (or skipped: `table`) events in log order per aggregate, at most `limit`, after
     (topic, partition, offset) `after` (paging)."""
     assert table in ("parked_events", "skipped_events")
-    retry = ", retry_requested_at" if table == "parked_events" else ""
+    more = ", retry_requested_at, skip_reason" if table == "parked_events" else ", NULL, reason"
     where: list[str] = ["TRUE"]
     args: list[Any] = []
     if projection is not None:
@@ -146,7 +148,7 @@ def letters(
         where.append('(topic, partition, "offset") > (%s, %s, %s)')
         args += list(after)
     rows = conn.execute(
-        f"SELECT {LETTER}{retry} FROM {table} WHERE {' AND '.join(where)} "
+        f"SELECT {LETTER}{more} FROM {table} WHERE {' AND '.join(where)} "
         f'ORDER BY projection, topic, partition, "offset" LIMIT %s',
         (*args, limit),
     ).fetchall()
@@ -166,27 +168,35 @@ def request_retry(
     return cur.rowcount
 
 
-def skip(
-    conn: psycopg.Connection[Any],
-    projection: str,
-    aggregate: str,
-    reason: str,
-    every: bool = False,
-) -> list[Letter]:
-    """Skip, on purpose and on record, `aggregate`'s first parked event (the one its fold could
-    not apply; `every`: all of its parked events) of `projection`, and ask for a retry of the
-    rest. Returns what was skipped. Holds the projection's progress row (`lock`)."""
-    lock(conn, projection)
-    parked = [
-        Letter(*r)
-        for r in conn.execute(
-            f"SELECT {LETTER}, retry_requested_at FROM parked_events "
-            'WHERE projection = %s AND aggregate = %s ORDER BY topic, partition, "offset" '
-            "FOR UPDATE",
-            (projection, aggregate),
-        )
-    ]
-    chosen = parked if every else parked[:1]
+def request_skip(
+    conn: psycopg.Connection[Any], projection: str, aggregate: str, reason: str, every: bool = False
+) -> int:
+    """Ask for `aggregate`'s first parked event of `projection` (the one its fold could not
+    apply; `every`: all of its parked events) to be skipped, for `reason`; returns how many
+    (`carry_out_skips` does it, in the projector or at once: `skip`)."""
+    cur = conn.execute(
+        "UPDATE parked_events SET skip_reason = %s WHERE projection = %s AND aggregate = %s "
+        'AND (%s OR (topic, partition, "offset") = ('
+        '  SELECT topic, partition, "offset" FROM parked_events '
+        "  WHERE projection = %s AND aggregate = %s "
+        '  ORDER BY topic, partition, "offset" LIMIT 1))',
+        (reason, projection, aggregate, every, projection, aggregate),
+    )
+    return cur.rowcount
+
+
+def carry_out_skips(conn: psycopg.Connection[Any], projection: str) -> list[Letter]:
+    """Skip, on record, `projection`'s parked events a skip was asked for (`request_skip`), and
+    ask for a retry of what is parked behind them. Holds the projection's progress row."""
+    if not lock(conn, projection):
+        return []
+    rows = conn.execute(
+        f"SELECT {LETTER}, skip_reason FROM parked_events "
+        "WHERE projection = %s AND skip_reason IS NOT NULL "
+        'ORDER BY topic, partition, "offset" FOR UPDATE',
+        (projection,),
+    ).fetchall()
+    chosen = [Letter(*r[:7]) for r in rows]
     with conn.cursor() as cur:
         cur.executemany(
             'INSERT INTO skipped_events (projection, topic, partition, "offset", aggregate, '
@@ -201,19 +211,42 @@ def skip(
                     s.aggregate,
                     s.error,
                     s.parked_at,
-                    reason,
+                    r[7],
                 )
-                for s in chosen
+                for s, r in zip(chosen, rows, strict=True)
             ],
         )
-        cur.executemany(
-            "DELETE FROM parked_events WHERE projection = %s AND topic = %s AND partition = %s "
-            'AND "offset" = %s',
-            [(s.projection, s.topic, s.partition, s.offset) for s in chosen],
-        )
-    if len(chosen) < len(parked):
-        request_retry(conn, projection, aggregate)
+    unpark(conn, chosen)
+    for aggregate in sorted({s.aggregate for s in chosen}):
+        request_retry(conn, projection, aggregate)  # what is parked behind them
     return chosen
+
+
+def skip(
+    conn: psycopg.Connection[Any],
+    projection: str,
+    aggregate: str,
+    reason: str,
+    every: bool = False,
+) -> list[Letter]:
+    """Skip at once, on purpose and on record, `aggregate`'s first parked event of `projection`
+    (`every`: all of them), and ask for a retry of the rest: `request_skip`, then
+    `carry_out_skips`, in one transaction. Returns what was skipped."""
+    with conn.transaction():
+        request_skip(conn, projection, aggregate, reason, every)
+        return carry_out_skips(conn, projection)
+
+
+def skip_requests(conn: psycopg.Connection[Any], projections: Iterable[str]) -> list[str]:
+    """The projections with a skip asked for."""
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT DISTINCT projection FROM parked_events "
+            "WHERE skip_reason IS NOT NULL AND projection = ANY(%s) ORDER BY 1",
+            (list(projections),),
+        )
+    ]
 
 
 def retry_requests(

@@ -82,7 +82,11 @@ def _letters(name: str, *extra: Column[Any]) -> Table:
 # Dead letters (guarantee 26): an event a projection's fold could not apply, and every later
 # event of its aggregate, parked in log order while the rest flows (`spark/parking.py`); a retry
 # applies them in order and deletes them in the same transaction. `logfold dead-letters`.
-parked_events = _letters("parked_events", Column("retry_requested_at", DateTime(timezone=True)))
+parked_events = _letters(
+    "parked_events",
+    Column("retry_requested_at", DateTime(timezone=True)),
+    Column("skip_reason", Text),  # a skip asked for (`/dead-letters`), and why
+)
 # What was parked and then skipped on purpose: the view leaves exactly these out.
 skipped_events = _letters(
     "skipped_events",

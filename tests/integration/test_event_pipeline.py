@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from kafka import TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
@@ -34,6 +36,7 @@ from events.partitioning import partition_for
 from projections import customers, orders
 from projections.base import Output, Projection, dead_letters
 from projections.registry import PROJECTIONS
+from stack import cli
 from stack.procs import wait_until
 from stack.topics import topic_spec
 from tests.integration.test_upcasting import produce_raw, v1_customer_registered
@@ -293,7 +296,7 @@ def test_a_fold_failing_on_every_event_stops_alone_is_reported_and_catches_up_on
 
 
 def test_an_event_postgres_refuses_parks_and_a_skip_is_recorded_and_rebuilt_alike(
-    base_settings: Settings, spark: Any
+    base_settings: Settings, spark: Any, tmp_path: Path
 ) -> None:
     """Guarantee 26 in Postgres: an event whose rows the table refuses (here a rule added to
     it) parks with the events behind it; skipping it is explicit and recorded, the rest are
@@ -320,10 +323,47 @@ def test_an_event_postgres_refuses_parks_and_a_skip_is_recorded_and_rebuilt_alik
         assert "not_refused" in parked(deployment)[0][1]
         assert failure(deployment) == (None, None)
 
-        with psycopg.connect(deployment.database()) as conn:
-            skipped = dead_letters.skip(conn, "customers", refused, "a rule the name broke")
-        assert len(skipped) == 1 and "not_refused" in skipped[0].error
-        assert projector.retrier.run_once() == 1  # the rename behind it, asked for by the skip
+        env = {"DATABASE_URL": deployment.database(), "LOGFOLD_HOME": str(tmp_path)}
+        listed = CliRunner().invoke(cli.main, ["dead-letters", "list", "customers"], env=env)
+        assert listed.exit_code == 0, listed.output
+        assert "customers: 2 parked events of 1 aggregates" in listed.output
+        assert listed.output.count(refused) == 2 and "not_refused" in listed.output
+
+        app = create_app(deployment)
+        try:
+            client = app.test_client()
+            url = "/dead-letters/customers"
+            shown = client.get(url, headers=ADMIN).json["events"]
+            assert [(e["aggregate"], e["skip_reason"]) for e in shown] == [(refused, None)] * 2
+            summary = client.get("/dead-letters", headers=ADMIN).json["projections"]
+            assert {"projection": "customers", "parked_events": 2} | next(
+                x for x in summary if x["projection"] == "customers"
+            ) == next(x for x in summary if x["projection"] == "customers")
+            # Bad input changes nothing; only `admin` may ask.
+            viewer = {"Authorization": f"Bearer {token('views:read')}"}
+            assert (
+                client.post(f"{url}/skip", json={"aggregate": refused}, headers=ADMIN).status_code
+                == 422
+            )
+            assert (
+                client.post(
+                    f"{url}/skip", json={"aggregate": refused, "reason": "r"}, headers=viewer
+                ).status_code
+                == 403
+            )
+            assert client.post("/dead-letters/nope/retry", headers=ADMIN).status_code == 404
+            missing = {"aggregate": "c-nobody", "reason": "r"}
+            assert client.post(f"{url}/skip", json=missing, headers=ADMIN).status_code == 404
+            asked = client.post(
+                f"{url}/skip",
+                json={"aggregate": refused, "reason": "a rule the name broke"},
+                headers=ADMIN,
+            )
+            assert asked.status_code == 202 and asked.json["skip_requested"] == 1
+        finally:
+            close_app(app)
+        # The projector skips it, on record, and retries the rename behind it.
+        assert projector.retrier.run_once() == 1
         assert parked(deployment) == []
         assert customer_names(deployment) == {"Ada", "Accepted", "Cy"}
         with psycopg.connect(deployment.database()) as conn:
@@ -336,6 +376,56 @@ def test_an_event_postgres_refuses_parks_and_a_skip_is_recorded_and_rebuilt_alik
     assert report.differences == {"customers": []}
     assert report.skipped_events == 1 and report.parked_aggregates == 0
     assert customer_names(deployment) == {"Ada", "Accepted", "Cy"}
+
+
+def test_a_retry_that_crashes_between_chunks_loses_and_doubles_nothing(
+    base_settings: Settings, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry applies each chunk of parked events and removes their letters in one
+    transaction: a crash in the middle of one (here after its rows are merged, before the
+    commit, as a `kill -9` would leave it) keeps the chunks before it and none of it; the
+    next retry goes on from there, and every event is applied once."""
+    from spark import parking
+
+    deployment = new_deployment(base_settings)
+    register(deployment, "Ada")
+    pill = register(deployment, POISON)
+    for version, name in ((2, "Second"), (3, "Third")):
+        append_events(deployment, "customer", pill, (version, CustomerRenamed(name), AT))
+    projector = run_events(deployment, spark, (BROKEN,))
+    try:
+        wait_until(lambda: len(parked(deployment)) == 3, 120, "the pill's three events parked")
+    finally:
+        stop(projector)
+
+    projector = run_events(deployment, spark, (customers.projection,))
+    try:
+        monkeypatch.setattr(parking, "CHUNK", 1)
+        unpark, calls = dead_letters.unpark, []
+
+        def crash_on_the_second(conn: Any, letters: Any) -> None:
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("crashed mid-retry")
+            unpark(conn, letters)
+
+        monkeypatch.setattr(dead_letters, "unpark", crash_on_the_second)
+        with psycopg.connect(deployment.database()) as conn:
+            dead_letters.request_retry(conn, "customers")
+        with pytest.raises(RuntimeError, match="crashed mid-retry"):
+            projector.retrier.run_once()
+        assert len(parked(deployment)) == 2  # the first chunk held, the second left no trace
+        assert customer_names(deployment) == {"Ada", POISON}
+        assert events_applied(deployment) == 2
+
+        monkeypatch.setattr(dead_letters, "unpark", unpark)
+        assert projector.retrier.run_once() == 2  # the request stands: it goes on
+        assert parked(deployment) == []
+        assert customer_names(deployment) == {"Ada", "Third"}
+        assert events_applied(deployment) == 4  # each event once
+        assert "customers" not in differences(deployment)
+    finally:
+        stop(projector)
 
 
 def test_a_projection_failing_on_an_old_schema_event_parks_it(

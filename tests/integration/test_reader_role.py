@@ -105,6 +105,31 @@ def test_the_login_writes_the_webhook_tables_and_no_other(
         reader.execute("INSERT INTO customers (customer_id) VALUES ('x')")
 
 
+def test_the_login_asks_for_retries_and_skips_of_parked_events_and_nothing_more(
+    deployment: Settings, reader: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """`/dead-letters` marks parked events (the projector carries retries and skips out): the
+    login may set those marks, and not park, unpark or rewrite an event."""
+    with psycopg.connect(deployment.database(), autocommit=True) as owner:
+        owner.execute(
+            'INSERT INTO parked_events (projection, topic, partition, "offset", aggregate, error) '
+            "VALUES ('customers', 't', 0, 7, 'c-1', 'broken') ON CONFLICT DO NOTHING"
+        )
+    marked = reader.execute(
+        "UPDATE parked_events SET retry_requested_at = now(), skip_reason = 'why' "
+        "WHERE aggregate = 'c-1'"
+    )
+    assert marked.rowcount == 1
+    for statement in (
+        "UPDATE parked_events SET error = 'x'",
+        "DELETE FROM parked_events",
+        'INSERT INTO skipped_events (projection, topic, partition, "offset", aggregate, '
+        "error, reason) VALUES ('customers', 't', 0, 8, 'c-1', 'e', 'r')",
+    ):
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            reader.execute(statement)
+
+
 def test_the_login_sees_no_other_sessions_queries(
     deployment: Settings, reader: psycopg.Connection[tuple[object, ...]]
 ) -> None:
