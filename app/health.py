@@ -33,7 +33,7 @@ Check = Callable[[], dict[str, Status]]
 
 STALE_S = 60.0
 # Keys of a status that may name hosts, ports or data: for the logs and `admin` callers only.
-PRIVATE = ("error", "master", "first_parked_error")
+PRIVATE = ("error", "master", "first_parked_error", "build_error")
 
 
 class HealthChecks:
@@ -93,7 +93,10 @@ class HealthChecks:
         assert self.read_model is not None
         each = {}
         for name, lag in self.read_model.lag().items():
-            stale = lag["events"] > 0 and lag["seconds"] > STALE_S
+            # While a new version is built beside the live tables, they may not move (when no
+            # projector of their version runs): the view serves, and it says so.
+            building = "building_version" in lag
+            stale = lag["events"] > 0 and lag["seconds"] > STALE_S and not building
             status = "failed" if "failed" in lag else "down" if stale else "up"
             each[name] = {
                 "status": status,
@@ -113,6 +116,9 @@ class HealthChecks:
                     each[name][key] = lag[key]
             if "first_parked_error" in lag:
                 each[name]["first_parked_error"] = lag["first_parked_error"]
+            for key in ("version", "building_version", "build_started_at", "build_error"):
+                if key in lag:
+                    each[name][key] = lag[key]
             if "counted" in lag:  # figures its views declare (`View.counted`)
                 each[name]["counted"] = lag["counted"]
             if "failed" in lag:
@@ -403,7 +409,7 @@ def public_lag(lag: dict[str, Any]) -> dict[str, Any]:
     where, how many offsets were lost and events parked, but not the failure's text, the
     parked events' first error nor the lost ranges (the texts can quote an event's data; all
     are in the logs and shown to `admin` callers)."""
-    shown = {k: v for k, v in lag.items() if k not in ("data_loss", "first_parked_error")}
+    shown = {k: v for k, v in lag.items() if k not in ("data_loss", *PRIVATE)}
     if "failed" in shown:
         shown["failed"] = {k: v for k, v in shown["failed"].items() if k != "error"}
     return shown

@@ -366,6 +366,11 @@ class ReadModel:
             }
             if p.get("data_loss"):
                 out[name]["data_loss"] = p["data_loss"]
+            for key in ("version", "building_version", "build_error"):  # guarantee 25
+                if p.get(key):
+                    out[name][key] = p[key]
+            if p.get("building_version") and p.get("build_started_at"):
+                out[name]["build_started_at"] = wire_value(p["build_started_at"])
             if isinstance(fold, Projection):  # it parks what its fold cannot apply
                 parked = letters.get(name, Summary())
                 out[name].update(

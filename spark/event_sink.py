@@ -16,7 +16,7 @@ from pyspark.sql import functions as F
 
 from config.settings import Settings
 from config.topics import Topics
-from projections.base import Offsets, Projection
+from projections.base import Offsets, Projection, versions
 from projections.base.dead_letters import Key, park, parked_keys, request_retry
 from spark.decode import every_event, parse_events, read_batch, upcast
 from spark.event_rows import (
@@ -40,7 +40,8 @@ from spark.parking import FoldBroken, Poison, isolate, letters_of, merge_parking
 from spark.session import BatchPlanning
 from spark.sink import (
     Reconnecting,
-    lock_many,
+    adopt_version,
+    lock_folds,
     mark_failed,
     save_progress,
 )
@@ -82,6 +83,9 @@ class EventSink:
         # Per projection, the poison events the batch being applied found in Spark (`_collect`).
         self.poisons: dict[str, dict[Key, Poison]] = {}
         self.parked = 0  # events it parked (the real-time path tells a poison event by it)
+        # Each projection's version; those whose live tables are at another one (not folded).
+        self.versions = {p.name: versions.of(p) for p in self.projections}
+        self.waiting: set[str] = set()
 
     @property
     def active(self) -> list[Projection]:
@@ -290,12 +294,14 @@ class EventSink:
         try:
             with conn.transaction():
                 t0 = time.perf_counter()
-                progress = lock_many(conn, [p.name for p in projections])
+                progress = lock_folds(conn, [p.name for p in projections])
                 parked = parked_keys(conn, [p.name for p in projections])
                 applied: dict[str, int] = {}
                 for p in projections:
                     first = self.first[p.name]
-                    offsets = progress.get(p.name, {})
+                    offsets, live = progress.get(p.name, ({}, None))
+                    if not self._folds_live(conn, p.name, live):
+                        continue
                     mine = unapplied_rows(self.reads[p.name], rows, offsets)
                     after, starts = bounds(offsets, mine)
                     if p.name in errors:
@@ -344,6 +350,30 @@ class EventSink:
             done = ", ".join(f"{n} +{c}" for n, c in applied.items())
             log.debug("%s (%s): %s", label, took, done)  # a line a batch: for debugging
         return applied
+
+    def _folds_live(self, conn: psycopg.Connection[Any], name: str, live: str | None) -> bool:
+        """Whether this pipeline folds `name`'s live tables: they are at its version (or at
+        none yet: then they are from now on). Otherwise another version serves them until this
+        one is built beside them and swapped in (the projector's `Deployer`), or a newer one
+        has been: it leaves them alone."""
+        mine = self.versions[name]
+        if live is None:
+            adopt_version(conn, name, mine)
+            return True
+        if live == mine:
+            self.waiting.discard(name)
+            return True
+        if name not in self.waiting:
+            self.waiting.add(name)
+            log.warning(
+                "projection %s: its live tables are at version %s, this projector folds %s: "
+                "left to the build of %s (or to a newer projector)",
+                name,
+                live,
+                mine,
+                mine,
+            )
+        return False
 
     def _fail(
         self,

@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 
 from config.settings import Settings, kafka_fetch_bounds
 from config.topics import Topics
-from projections.base import Offsets, Projection
+from projections.base import Offsets, Projection, versions
 from projections.base import dead_letters as store
 from projections.base.dead_letters import Key, Letter
 from spark.decode import every_event, parse_events, upcast
@@ -470,6 +470,12 @@ class Retrier:
         spark_poison = poisons.get(key)
         with conn.transaction():
             if not store.lock(conn, p.name):
+                return 0, True
+            live = conn.execute(
+                "SELECT version FROM projection_progress WHERE projection = %s", (p.name,)
+            ).fetchone()
+            if live is not None and live[0] not in (None, versions.of(p)):
+                log.warning("dead letters: %s is at another version; not retried here", p.name)
                 return 0, True
             still = {
                 (c.topic, c.partition, c.offset)

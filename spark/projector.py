@@ -3,7 +3,8 @@
 - `events` (spark/event_pipeline.py) folds the event log into every projection's views;
 - `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views;
 
-and a thread applies the parked events whose retry was asked for (spark/parking.py);
+and threads apply the parked events whose retry was asked for (spark/parking.py) and build,
+beside the live tables, the projections whose version changed (spark/deploy.py);
 
 each in Spark's real-time mode where it can (spark/realtime.py), else in micro-batches.
 
@@ -31,6 +32,7 @@ from pyspark.sql import SparkSession
 from config.settings import Settings
 from projections.base import Join, Projection
 from projections.registry import JOINS, PROJECTIONS
+from spark.deploy import Deployer
 from spark.event_pipeline import EventPipeline, Running, realtime_partitions, realtime_slots
 from spark.event_rows import keep_ids
 from spark.join import JoinPipeline
@@ -116,6 +118,8 @@ class Projector:
                 realtime_mode=RealTimeJoins if realtime else None,
             )
         self.queries: dict[str, Running] = {}
+        # Builds the projections whose live tables are at another version (spark/deploy.py).
+        self.deployer = Deployer(self.spark, settings, chosen)
         # Applies parked events whose retry was asked for (`logfold dead-letters retry`).
         self.retrier = (
             Retrier(self.spark, settings, chosen, lambda p: keep_ids(p, settings))
@@ -154,6 +158,7 @@ class Projector:
         self.status.start()
         if self.retrier is not None:
             self.retrier.start()
+        self.deployer.start()
         failures: dict[str, int] = {}
         restart_at: dict[str, float] = {}
         try:

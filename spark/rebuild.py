@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from config.settings import Settings
 from config.topics import Topics
-from projections.base import Offsets, Output, Projection
+from projections.base import Offsets, Output, Projection, versions
 from projections.base.rows import fold
 from spark.decode import (
     between_json,
@@ -68,6 +68,7 @@ from spark.sink import (
     apply_events,
     bulk_load,
     drop_indexes,
+    live_version,
     lock_progress,
     move_stream_ids,
     read_progress,
@@ -186,6 +187,7 @@ class Rebuild:
         self.topics = Topics(settings.topic_prefix)
         self.url = settings.database()
         self.excluded: dict[str, Excluded] = {}  # per projection, as the rebuild started
+        self.live_versions: dict[str, str | None] = {}  # the same
 
     def _read(
         self, projection: Projection, starting: str, ending: str, assign: str | None = None
@@ -235,7 +237,11 @@ class Rebuild:
             return []
         started = time.monotonic()
         with psycopg.connect(self.url) as conn:
+            self.live_versions = {p.name: live_version(conn, p.name) for p in projections}
             self.excluded = {p.name: excluded(conn, p.name) for p in projections}
+        for p in projections:
+            if self._changing(p):  # a new version folds what the old one parked
+                self.excluded[p.name] = ([], self.excluded[p.name][1])
         names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
         # One cached read: every record decoded, its data into the fields the views read
@@ -292,6 +298,11 @@ class Rebuild:
         finally:
             decoded.unpersist()
         return [reports[p.name] for p in projections]
+
+    def _changing(self, projection: Projection) -> bool:
+        """Whether this rebuild brings in another version than the live tables'."""
+        live = self.live_versions.get(projection.name)
+        return live is not None and live != versions.of(projection)
 
     def _names(self, projection: Projection) -> list[str]:
         return projection.topic_names(self.topics)
@@ -384,7 +395,15 @@ class Rebuild:
             conn.execute(f"SET LOCAL work_mem = '{WORK_MEM}'")
             conn.execute(f"SET LOCAL maintenance_work_mem = '{WORK_MEM}'")
             live = lock_progress(conn, projection.name)  # live batches wait from here
+            if live_version(conn, projection.name) != self.live_versions.get(projection.name):
+                raise RuntimeError(
+                    f"{projection.name}: another version was swapped in during the rebuild "
+                    "(a newer projector's); this one is superseded"
+                )
+            changing = self._changing(projection)
             left_out = excluded(conn, projection.name)
+            if changing:
+                left_out = ([], left_out[1])
             if left_out != self.excluded.get(projection.name, ([], [])):
                 raise RuntimeError(
                     f"{projection.name}: its parked or skipped events changed during the rebuild "
@@ -423,11 +442,14 @@ class Rebuild:
                     conn.execute(f"DROP TABLE {state.name}{SHADOW}")
             if projection.streams:
                 move_stream_ids(conn, projection.name + SHADOW, projection.name)
+            if changing:  # the new version folded them: nothing of the old one stays parked
+                conn.execute("DELETE FROM parked_events WHERE projection = %s", (projection.name,))
             conn.execute(
                 "UPDATE projection_progress SET offsets = %s, generation = generation + 1, "
                 "events_applied = events_applied + %s, late_events = late_events + %s, "
-                "updated_at = now() WHERE projection = %s",
-                (Jsonb(live), applied, late, projection.name),
+                "updated_at = now(), version = %s, building_version = NULL, build_error = NULL "
+                "WHERE projection = %s",
+                (Jsonb(live), applied, late, versions.of(projection), projection.name),
             )
         return report
 

@@ -54,6 +54,35 @@ def lock_many(conn: psycopg.Connection[Any], names: list[str]) -> dict[str, Offs
     return {r[0]: {k: int(v) for k, v in r[1].items()} for r in rows}
 
 
+def lock_folds(
+    conn: psycopg.Connection[Any], names: list[str]
+) -> dict[str, tuple[Offsets, str | None]]:
+    """`lock_many`, with each one's live version (projections/base/versions.py)."""
+    rows = conn.execute(
+        "SELECT projection, offsets, version FROM projection_progress "
+        "WHERE projection = ANY(%s) ORDER BY projection FOR UPDATE",
+        (sorted(names),),
+    ).fetchall()
+    return {r[0]: ({k: int(v) for k, v in r[1].items()}, r[2]) for r in rows}
+
+
+def live_version(conn: psycopg.Connection[Any], name: str) -> str | None:
+    """The version `name`'s live tables were built by (None: not recorded yet)."""
+    row = conn.execute(
+        "SELECT version FROM projection_progress WHERE projection = %s", (name,)
+    ).fetchone()
+    return row[0] if row else None
+
+
+def adopt_version(conn: psycopg.Connection[Any], name: str, version: str) -> None:
+    """Record `version` as the one `name`'s live tables are built by, if none is yet (a new
+    projection, or one from before versions were recorded)."""
+    conn.execute(
+        "UPDATE projection_progress SET version = %s WHERE projection = %s AND version IS NULL",
+        (version, name),
+    )
+
+
 def mark_started(conn: psycopg.Connection[Any], names: list[str]) -> None:
     """`names` are being folded again: forget their last failure; their query runs."""
     forget_failures(conn, names)

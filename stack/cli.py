@@ -253,6 +253,41 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
         sys.exit(1)
 
 
+@main.command("projections")
+def projections_() -> None:
+    """List each projection: the version this code folds, the version its live tables were
+    built by, a build under way or failed (a changed projection is built beside the live one
+    and swapped in by the projector: docs/operations.md), its lag and its parked events."""
+    from app.read_model import ReadModel
+    from projections.base import versions
+    from projections.registry import PROJECTIONS
+
+    settings = _settings()
+    model = ReadModel(settings)
+    try:
+        lag = model.lag()
+    finally:
+        model.close()
+    click.echo(f"{'projection':<20} {'version':<13} {'live':<13} {'lag':>8} {'parked':>7}  state")
+    for name, p in PROJECTIONS.items():
+        mine, shown = versions.of(p), lag.get(name, {})
+        live = shown.get("version") or "-"
+        if "building_version" in shown:
+            state = f"building {shown['building_version']} since {shown.get('build_started_at')}"
+        elif "build_error" in shown:
+            state = f"build failed: {shown['build_error']}"
+        elif live not in ("-", mine):
+            state = "another version is live: the projector builds this one"
+        elif "failed" in shown:
+            state = f"failed: {shown['failed'].get('error')}"
+        else:
+            state = "live"
+        click.echo(
+            f"{name:<20} {mine:<13} {live:<13} {shown.get('events', 0):>8} "
+            f"{shown.get('parked_events', 0):>7}  {state}"
+        )
+
+
 @main.group("dead-letters")
 def dead_letters() -> None:
     """Events a projection's fold could not apply, parked with every later event of their

@@ -253,6 +253,8 @@ class Projection(Fold):
     outputs: tuple[Output, ...] = field(default_factory=tuple)
     streams: tuple[str, ...] = ()  # streams of facts whose records it reads
     lateness: timedelta | None = None  # its watermark (required with streams)
+    # What its live tables are built by: declared here, or derived (projections/base/versions.py)
+    version: str | None = None
     transactional: ClassVar[bool] = True  # the command processors and ingestion use transactions
 
     def __post_init__(self) -> None:

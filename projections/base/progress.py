@@ -29,6 +29,12 @@ table = Table(
     # all, and the last few ranges ("partition", "from_offset", "to_offset", "detected_at").
     Column("lost_offsets", BigInteger, nullable=False, server_default="0"),
     Column("data_loss", JSONB),
+    # The version its live tables were built by (projections/base/versions.py); the one a
+    # projector builds beside them, since when; why its last build failed (guarantee 25).
+    Column("version", Text),
+    Column("building_version", Text),
+    Column("build_error", Text),
+    Column("build_started_at", DateTime(timezone=True)),
 )
 
 # The projector's own status (spark/status.py), written by its driver every few seconds: its

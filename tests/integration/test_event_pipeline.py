@@ -15,6 +15,7 @@ Postgres and Spark:
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from events.customer import CustomerRegistered, CustomerRenamed
 from events.order import OrderPaid, OrderPlaced, PlacedLine
 from events.partitioning import partition_for
 from projections import customers, orders
-from projections.base import Output, Projection, dead_letters
+from projections.base import Output, Projection, dead_letters, versions
 from projections.registry import PROJECTIONS
 from stack import cli
 from stack.procs import wait_until
@@ -67,8 +68,9 @@ def broken_rows() -> Any:
     return F.when(poisoned, F.raise_error(F.lit("deliberately broken"))).otherwise(fine)
 
 
-def customers_with(rows: Any) -> Projection:
-    """The customers projection with its rows given by `rows`."""
+def customers_with(rows: Any, version: str | None = "same") -> Projection:
+    """The customers projection with its rows given by `rows`: at the real one's version (a
+    bug in the same version: `same`), at `version`, or at the one derived from it (None)."""
     output = customers.output
     return Projection(
         "customers",
@@ -76,6 +78,7 @@ def customers_with(rows: Any) -> Projection:
         outputs=(
             Output(output.table, rows=rows, merge=output.merge, filterable=output.filterable),
         ),
+        version=versions.of(customers.projection) if version == "same" else version,
     )
 
 
@@ -426,6 +429,130 @@ def test_a_retry_that_crashes_between_chunks_loses_and_doubles_nothing(
         assert "customers" not in differences(deployment)
     finally:
         stop(projector)
+
+
+def upper_rows() -> Any:
+    """customers' rows with the names in capitals: a changed fold."""
+    from projections.base.rows import F, field, one, when_type
+
+    return one(
+        customers.table,
+        F.col("aggregate_type") == "customer",
+        customer_id=F.col("aggregate_id"),
+        name=F.upper(when_type(("CustomerRegistered", "CustomerRenamed"), field("name"))),
+        email=when_type(("CustomerRegistered", "CustomerEmailChanged"), field("email")),
+        registered_at=when_type("CustomerRegistered", F.col("occurred_at")),
+        version=F.col("version"),
+    )
+
+
+UPPER = customers_with(upper_rows, version=None)  # its version derived: another one
+
+
+def live_version_of(settings: Settings, projection: str = "customers") -> Any:
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute(
+            "SELECT version, building_version, build_error FROM projection_progress "
+            "WHERE projection = %s",
+            (projection,),
+        ).fetchone()
+    return row
+
+
+def test_a_changed_projection_is_built_beside_the_live_one_and_swapped_in_atomically(
+    base_settings: Settings, spark: Any, tmp_path: Path
+) -> None:
+    """Guarantee 25: a projector whose fold of a projection changed builds its version from the
+    log beside the live tables, which keep serving, and swaps it in at once: no read sees a
+    gap, an empty view or a mix of versions; the swapped view is the new fold of the log,
+    events that arrived during the build included. A build that fails leaves the live version
+    serving and says why."""
+    from spark.projector import Projector
+    from spark.rebuild import Rebuild
+
+    deployment = new_deployment(base_settings)
+    for name in ("Ada", "Bo", "Cy"):
+        register(deployment, name)
+    projector = run_events(deployment, spark, (customers.projection,))
+    try:
+        wait_until(lambda: customer_names(deployment) == {"Ada", "Bo", "Cy"}, 120, "v1 live")
+    finally:
+        stop(projector)
+    assert versions.of(UPPER) != versions.of(customers.projection)
+    assert live_version_of(deployment)[0] == versions.of(customers.projection)
+
+    seen: list[frozenset[str]] = []
+    reading = threading.Event()
+    reading.set()
+
+    def read() -> None:
+        with psycopg.connect(deployment.database(), autocommit=True) as conn:
+            while reading.is_set():
+                rows = conn.execute("SELECT name FROM customers").fetchall()
+                seen.append(frozenset(r[0] for r in rows))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    projector = Projector(deployment, spark, projections=(UPPER,), joins=())
+    running = threading.Thread(target=projector.run)
+    running.start()
+    try:
+        register(deployment, "Di")  # commands flow while it deploys
+        wait_until(
+            lambda: live_version_of(deployment)[0] == versions.of(UPPER), 240, "v2 swapped in"
+        )
+        wait_until(lambda: customer_names(deployment) == {"ADA", "BO", "CY", "DI"}, 120, "v2 live")
+        register(deployment, "Ed")  # and the new version folds live from there
+        wait_until(lambda: "ED" in customer_names(deployment), 120, "Ed folded by v2")
+    finally:
+        reading.clear()
+        reader.join()
+        projector.stop()
+        running.join(timeout=120)
+    old = [s for s in seen if s <= {"Ada", "Bo", "Cy"}]
+    new = [s for s in seen if all(n.isupper() for n in s)]
+    assert all(seen), "a read saw an empty view"
+    assert len(old) + len(new) == len(seen), [s for s in seen if s not in old and s not in new]
+    assert old and new
+    first_new = next(i for i, s in enumerate(seen) if s in new)
+    assert all(s in new for s in seen[first_new:])  # old, then new: never back, never a mix
+    assert all(len(s) == 3 for s in old)  # never a gap
+    assert live_version_of(deployment)[1:] == (None, None)
+    report = Rebuild(deployment, spark).run(UPPER, verify=True, progress=False)
+    assert report.differences == {"customers": []}  # the new fold of the log, exactly
+
+    # `logfold projections`, run with the code of the real projection: another version is live.
+    env = {
+        "DATABASE_URL": deployment.database(),
+        "KAFKA_BOOTSTRAP_SERVERS": deployment.kafka(),
+        "LOGFOLD_TOPIC_PREFIX": deployment.topic_prefix,
+        "LOGFOLD_HOME": str(tmp_path),
+    }
+    listed = CliRunner().invoke(cli.main, ["projections"], env=env)
+    assert listed.exit_code == 0, listed.output
+    [line] = [x for x in listed.output.splitlines() if x.startswith("customers ")]
+    assert versions.of(customers.projection) in line and versions.of(UPPER) in line
+    assert "another version is live" in line
+
+    # A build that fails leaves the live version serving, and says why.
+    broken = customers_with(always_broken_rows, version="broken")
+    projector = Projector(deployment, spark, projections=(broken,), joins=())
+    assert projector.deployer.build(broken) is False
+    version, building, error = live_version_of(deployment)
+    assert version == versions.of(UPPER) and building is None
+    assert "broken for every event" in error
+    assert customer_names(deployment) == {"ADA", "BO", "CY", "DI", "ED"}
+    app = create_app(deployment)
+    try:
+        client = app.test_client()
+        component = health_component(
+            client, "projection:customers", lambda c: "build_error" in c, ADMIN
+        )
+        assert component["status"] == "up" and "broken" in component["build_error"]
+        public = client.get("/health").json["components"]["projection:customers"]
+        assert "build_error" not in public and public["version"] == versions.of(UPPER)
+    finally:
+        close_app(app)
 
 
 def test_a_projection_failing_on_an_old_schema_event_parks_it(
