@@ -12,8 +12,10 @@ follow. From the next batch this projector folds the projection live, and an old
 still running leaves it alone (its version is no longer the live one).
 
 A build that fails leaves the old version serving, with the error in `build_error`
-(`/health`, `logfold projections`); the projector's next start tries again. A newer version
-swapped in meanwhile supersedes the build: its swap refuses."""
+(`/health`, `logfold projections`); the projector's next start tries again. A later projector
+that starts building another version while this one builds supersedes it (the last build
+asked for is the one swapped in: the others' swaps refuse), as does a version swapped in
+meanwhile."""
 
 from __future__ import annotations
 
@@ -84,7 +86,9 @@ class Deployer:
             )
         log.warning("projection %s: building version %s beside the live tables", p.name, version)
         try:
-            report = Rebuild(self.settings, self.spark).run(p, progress=False)
+            job = Rebuild(self.settings, self.spark)
+            job.building = version
+            report = job.run(p, progress=False)
         except Exception as e:
             error = first_line(e)
             self.failed[p.name] = error

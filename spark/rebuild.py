@@ -188,6 +188,9 @@ class Rebuild:
         self.url = settings.database()
         self.excluded: dict[str, Excluded] = {}  # per projection, as the rebuild started
         self.live_versions: dict[str, str | None] = {}  # the same
+        # Set by a projector's build of a version (spark/deploy.py): its swap goes ahead only
+        # while that version is still the one being built (a later projector's supersedes it).
+        self.building: str | None = None
 
     def _read(
         self, projection: Projection, starting: str, ending: str, assign: str | None = None
@@ -400,6 +403,16 @@ class Rebuild:
                     f"{projection.name}: another version was swapped in during the rebuild "
                     "(a newer projector's); this one is superseded"
                 )
+            if self.building is not None:
+                row = conn.execute(
+                    "SELECT building_version FROM projection_progress WHERE projection = %s",
+                    (projection.name,),
+                ).fetchone()
+                if row is None or row[0] != self.building:
+                    raise RuntimeError(
+                        f"{projection.name}: version {row[0] if row else None} is being built "
+                        f"by a later projector; this build of {self.building} is superseded"
+                    )
             changing = self._changing(projection)
             left_out = excluded(conn, projection.name)
             if changing:

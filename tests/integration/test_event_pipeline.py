@@ -534,6 +534,19 @@ def test_a_changed_projection_is_built_beside_the_live_one_and_swapped_in_atomic
     assert versions.of(customers.projection) in line and versions.of(UPPER) in line
     assert "another version is live" in line
 
+    # A later projector's build supersedes this one: the last asked for is swapped in.
+    with psycopg.connect(deployment.database()) as conn:
+        conn.execute(
+            "UPDATE projection_progress SET building_version = 'later' "
+            "WHERE projection = 'customers'"
+        )
+    job = Rebuild(deployment, spark)
+    job.building = "earlier"
+    with pytest.raises(RuntimeError, match="superseded"):
+        job.run(customers_with(upper_rows, version="earlier"), progress=False)
+    assert live_version_of(deployment)[:2] == (versions.of(UPPER), "later")
+    assert customer_names(deployment) == {"ADA", "BO", "CY", "DI", "ED"}
+
     # A build that fails leaves the live version serving, and says why.
     broken = customers_with(always_broken_rows, version="broken")
     projector = Projector(deployment, spark, projections=(broken,), joins=())
