@@ -59,6 +59,7 @@ from spark.event_rows import (
     share_of,
     upcast_rows,
 )
+from spark.sink import live_version
 
 log = logging.getLogger(__name__)
 
@@ -471,10 +472,7 @@ class Retrier:
         with conn.transaction():
             if not store.lock(conn, p.name):
                 return 0, True
-            live = conn.execute(
-                "SELECT version FROM projection_progress WHERE projection = %s", (p.name,)
-            ).fetchone()
-            if live is not None and live[0] not in (None, versions.of(p)):
+            if live_version(conn, p.name) not in (None, versions.of(p)):
                 log.warning("dead letters: %s is at another version; not retried here", p.name)
                 return 0, True
             still = {
