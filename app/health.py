@@ -116,7 +116,15 @@ class HealthChecks:
                     each[name][key] = lag[key]
             if "first_parked_error" in lag:
                 each[name]["first_parked_error"] = lag["first_parked_error"]
-            for key in ("version", "building_version", "build_started_at", "build_error"):
+            for key in (
+                "version",
+                "building_version",
+                "build_started_at",
+                "build_done",
+                "build_total",
+                "build_report",
+                "build_error",
+            ):
                 if key in lag:
                     each[name][key] = lag[key]
             if "counted" in lag:  # figures its views declare (`View.counted`)

@@ -371,6 +371,10 @@ class ReadModel:
                     out[name][key] = p[key]
             if p.get("building_version") and p.get("build_started_at"):
                 out[name]["build_started_at"] = wire_value(p["build_started_at"])
+                if p.get("build_total"):  # events folded of the log's, so far
+                    out[name].update(build_done=p["build_done"], build_total=p["build_total"])
+            if p.get("build_report"):  # what the last verified build changed
+                out[name]["build_report"] = p["build_report"]
             if isinstance(fold, Projection):  # it parks what its fold cannot apply
                 parked = letters.get(name, Summary())
                 out[name].update(

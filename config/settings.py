@@ -124,6 +124,13 @@ class Settings(BaseSettings):
     # up the query's epoch boundary (every 30 minutes) by as much at most.
     spark_realtime_fetch_wait_ms: int = Field(default=500, ge=1, le=10_000)
 
+    # A changed projection's deploy (guarantee 25, docs/operations.md): how many earlier
+    # versions of each projection are kept (a copy of their tables) so that rolling back to
+    # one folds only the events since it was swapped out; 0 keeps none. With verify, a build
+    # compares the new version with the live one before its swap and records what differs.
+    keep_versions: int = Field(default=1, ge=0)
+    deploy_verify: bool = False
+
     cdc_slot: str | None = None  # default: logfold_cdc_<database>
     # How long a changelog (`cdc.<table>`) keeps every change before compaction may drop the
     # ones a later change of their key supersedes (`min.compaction.lag.ms`), and how long a

@@ -11,6 +11,15 @@ gap, an empty view or a mix; CDC sees each row that changed, so joined views and
 follow. From the next batch this projector folds the projection live, and an older projector
 still running leaves it alone (its version is no longer the live one).
 
+Rolling back is deploying the previous code again: while that version is kept
+(`spark/keeping.py`, `LOGFOLD_KEEP_VERSIONS`), its build starts from the copy of its tables and
+folds only the events since it was swapped out; otherwise from the whole log, as any build.
+
+The build's progress (events folded of the log's) is in `projection_progress.build_done` and
+`build_total` (`logfold projections --watch` draws it). With `LOGFOLD_DEPLOY_VERIFY` it also
+compares the new version with the live one at the same position before the swap, and records
+what differs (`build_report`: per table, rows only in the old version, only in the new).
+
 A build that fails leaves the old version serving, with the error in `build_error`
 (`/health`, `logfold projections`); the projector's next start tries again. A later projector
 that starts building another version while this one builds supersedes it (the last build
@@ -20,16 +29,20 @@ meanwhile."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 from pyspark.sql import SparkSession
 
 from config.settings import Settings
 from projections.base import Projection, versions
+from spark import keeping
 from spark.event_rows import first_line
-from spark.rebuild import Rebuild
+from spark.rebuild import Rebuild, Report
 from spark.sink import ensure_progress, live_version
 
 log = logging.getLogger(__name__)
@@ -47,6 +60,7 @@ class Deployer:
         self._thread: threading.Thread | None = None
         self.built: list[str] = []  # swapped in (tests, logs)
         self.failed: dict[str, str] = {}
+        self.reports: dict[str, Report] = {}
 
     def pending(self) -> list[Projection]:
         """The projections whose live tables are at another version than this projector's."""
@@ -81,14 +95,28 @@ class Deployer:
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             conn.execute(
                 "UPDATE projection_progress SET building_version = %s, build_error = NULL, "
-                "build_started_at = now() WHERE projection = %s",
+                "build_started_at = now(), build_done = NULL, build_total = NULL, "
+                "build_report = NULL WHERE projection = %s",
                 (version, p.name),
             )
         log.warning("projection %s: building version %s beside the live tables", p.name, version)
+        job = Rebuild(self.settings, self.spark)
+        job.building = version
+        watching = _Progress(self.settings.database(), p.name, job)
         try:
-            job = Rebuild(self.settings, self.spark)
-            job.building = version
-            report = job.run(p, progress=False)
+            with psycopg.connect(self.settings.database()) as conn:
+                kept = keeping.usable(conn, p.name, version)
+            if kept is not None:
+                log.warning(
+                    "projection %s: starting from version %s kept at %s, with the events since",
+                    p.name,
+                    version,
+                    kept.kept_at,
+                )
+                report = job.restore(p, kept, verify=self.settings.deploy_verify)
+            else:
+                watching.start()
+                report = job.run(p, verify=self.settings.deploy_verify, progress=False)
         except Exception as e:
             error = first_line(e)
             self.failed[p.name] = error
@@ -100,7 +128,16 @@ class Deployer:
                     (f"version {version}: {error}", p.name),
                 )
             return False
+        finally:
+            watching.stop()
         self.built.append(p.name)
+        self.reports[p.name] = report
+        if report.differences is not None:
+            with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+                conn.execute(
+                    "UPDATE projection_progress SET build_report = %s WHERE projection = %s",
+                    (Jsonb(_changes(version, report)), p.name),
+                )
         log.warning(
             "projection %s: version %s swapped in (%d events, %.1f s)",
             p.name,
@@ -109,3 +146,55 @@ class Deployer:
             report.seconds,
         )
         return True
+
+
+def _changes(version: str, report: Report) -> dict[str, Any]:
+    """What a verified build's new version changed, per table: rows only in the old version,
+    only in the new (counted, of at most the first 1000 differences)."""
+    tables = {
+        table: {
+            "only_in_old": sum(1 for r in rows if r[0] == "only_in_live"),
+            "only_in_new": sum(1 for r in rows if r[0] == "only_in_rebuild"),
+        }
+        for table, rows in (report.differences or {}).items()
+    }
+    return {"version": version, "restored_from_kept": report.restored is not None, "tables": tables}
+
+
+class _Progress:
+    """Writes a build's progress (events folded, of the log's) to its projection's progress
+    row every second, while it reads the whole log."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, url: str, projection: str, job: Rebuild) -> None:
+        self.url, self.projection, self.job = url, projection, job
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deploy-progress", daemon=True)
+        job.bar_out = open(os.devnull, "w")  # counted, drawn nowhere  # noqa: SIM115
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        if self.job.bar_out is not None:
+            self.job.bar_out.close()
+
+    def _run(self) -> None:
+        try:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                while not self._stop.wait(self.EVERY_S):
+                    bar = self.job.bar
+                    if bar is not None and bar.total:
+                        conn.execute(
+                            "UPDATE projection_progress SET build_done = %s, build_total = %s "
+                            "WHERE projection = %s",
+                            (int(bar.n), int(bar.total), self.projection),
+                        )
+        except psycopg.Error as e:  # only the progress shown is lost
+            log.warning(
+                "projection %s: the build's progress is not recorded: %s", self.projection, e
+            )

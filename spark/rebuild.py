@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -40,6 +41,7 @@ from config.settings import Settings
 from config.topics import Topics
 from projections.base import Offsets, Output, Projection, versions
 from projections.base.rows import fold
+from spark import keeping
 from spark.decode import (
     between_json,
     decode_events,
@@ -176,6 +178,8 @@ class Report:
     # their first parked event on) and events skipped on purpose.
     parked_aggregates: int = 0
     skipped_events: int = 0
+    # The kept version (spark/keeping.py) it started from instead of the whole log, if any.
+    restored: str | None = None
     # Seconds of each step: "read" (the shared read, whole), "load" (its shadows), "swap"
     # (catch-up and swap).
     steps: dict[str, float] = field(default_factory=dict)
@@ -191,6 +195,10 @@ class Rebuild:
         # Set by a projector's build of a version (spark/deploy.py): its swap goes ahead only
         # while that version is still the one being built (a later projector's supersedes it).
         self.building: str | None = None
+        # The progress bar of `run_many`, while it runs (a projector's build reads it), and
+        # where it is drawn when not asked to be (None: not drawn, and not counted).
+        self.bar: tqdm | None = None
+        self.bar_out: IO[str] | None = None
 
     def _read(
         self, projection: Projection, starting: str, ending: str, assign: str | None = None
@@ -269,7 +277,14 @@ class Rebuild:
                 read = time.monotonic() - started
                 total = sum(shares[p.name] * len(p.outputs) for p in projections)
                 label = projections[0].name if len(projections) == 1 else "every projection"
-                bar = tqdm(total=total, unit="ev", desc=f"rebuild {label}", disable=not progress)
+                bar = tqdm(
+                    total=total,
+                    unit="ev",
+                    desc=f"rebuild {label}",
+                    disable=not progress and self.bar_out is None,
+                    file=None if progress else self.bar_out,
+                )
+                self.bar = bar
                 with bar:
                     # Two projections at a time, each loaded then swapped at once: a replayed
                     # projection's merge, or a swap, keeps one Postgres backend (a core) busy
@@ -283,7 +298,9 @@ class Rebuild:
                         t0 = time.monotonic()
                         covered, counted = self._load(p, events, seen, shares[p.name], bar)
                         t1 = time.monotonic()
-                        report = self._swap(p, self._catch_up(p, covered), verify, counted)
+                        report = self._keeping(
+                            p, lambda: self._swap(p, self._catch_up(p, covered), verify, counted)
+                        )
                         done = time.monotonic()
                         report.events = shares[p.name]
                         # The shared read is split between projections by their events.
@@ -301,6 +318,51 @@ class Rebuild:
         finally:
             decoded.unpersist()
         return [reports[p.name] for p in projections]
+
+    def restore(self, projection: Projection, kept: keeping.Kept, verify: bool = False) -> Report:
+        """Build `projection` from its `kept` copy (its version, at the copy's position) and
+        the events since, instead of the whole log, then swap it in as `run` does."""
+        started = time.monotonic()
+        with psycopg.connect(self.url) as conn:
+            self.live_versions = {projection.name: live_version(conn, projection.name)}
+            # Another version is live (the kept one is never): nothing of this one is parked.
+            self.excluded = {projection.name: ([], excluded(conn, projection.name)[1])}
+        self._create_shadows([projection], keyed=True)
+        with psycopg.connect(self.url) as conn:
+            for table, copy in kept.tables.items():
+                columns = ", ".join(_common_columns(conn, table + SHADOW, copy))
+                conn.execute(
+                    f"INSERT INTO {table}{SHADOW} ({columns}) SELECT {columns} FROM {copy}"
+                )
+            if projection.streams:
+                conn.execute(
+                    "INSERT INTO stream_ids (fold, id, first_at) "
+                    "SELECT %s, id, first_at FROM stream_ids WHERE fold = %s",
+                    (projection.name + SHADOW, keeping.stream_fold(projection.name, kept.version)),
+                )
+        t0 = time.monotonic()
+        report = self._keeping(
+            projection,
+            lambda: self._swap(
+                projection, self._catch_up(projection, kept.offsets), verify, (0, 0)
+            ),
+        )
+        done = time.monotonic()
+        report.restored, report.seconds = kept.version, done - started
+        report.steps = {"load": t0 - started, "swap": done - t0}
+        return report
+
+    def _keeping(self, projection: Projection, swap: Callable[[], Report]) -> Report:
+        """`swap`, keeping the live version first when another one is swapped in (and what
+        `keep_versions` says to keep after it, swapped or not)."""
+        if not self._changing(projection) or not self.settings.keep_versions:
+            return swap()
+        keeping.keep(self.url, projection.name, _tables(projection), bool(projection.streams))
+        try:
+            return swap()
+        finally:
+            with psycopg.connect(self.url) as conn:
+                keeping.prune(conn, projection.name, self.settings.keep_versions)
 
     def _changing(self, projection: Projection) -> bool:
         """Whether this rebuild brings in another version than the live tables'."""
@@ -340,13 +402,13 @@ class Rebuild:
         reads = set(p.reads(self.topics, self.settings.partitions))
         return {k: v for k, v in seen.items() if k in reads}, (share, self._late_rows(p))
 
-    def _create_shadows(self, projections: list[Projection]) -> None:
+    def _create_shadows(self, projections: list[Projection], keyed: bool = False) -> None:
         with psycopg.connect(self.url, autocommit=True) as conn:
             for p in projections:
                 # Scratch tables: unlogged (no WAL to write, nor for CDC to decode and skip; a
                 # database crash empties them, and a rebuild starts them anew). Bulk-loaded ones
                 # get their key after the load, and need no other index.
-                like = "INCLUDING ALL" if p.replayed else "INCLUDING DEFAULTS"
+                like = "INCLUDING ALL" if p.replayed or keyed else "INCLUDING DEFAULTS"
                 for table in _tables(p):
                     conn.execute(f"DROP TABLE IF EXISTS {table}{SHADOW}")
                     conn.execute(f"CREATE UNLOGGED TABLE {table}{SHADOW} (LIKE {table} {like})")
@@ -484,6 +546,20 @@ def _survey(records: DataFrame) -> tuple[dict[str, int], dict[str, int], int]:
         counts[r["topic"]] = counts.get(r["topic"], 0) + int(r["n"])
     seen = {f"{r['topic']}:{r['partition']}": int(r["last"]) for r in rows}
     return seen, counts, sum(int(r["old"]) for r in rows)
+
+
+def _common_columns(conn: psycopg.Connection[Any], table: str, other: str) -> list[str]:
+    """The columns `table` and `other` both have (a kept copy may predate a column a
+    migration added since, or have one since dropped)."""
+    rows = conn.execute(
+        "SELECT a.attname FROM pg_attribute a JOIN pg_attribute b "
+        "ON b.attrelid = %s::regclass AND b.attname = a.attname "
+        "AND b.attnum > 0 AND NOT b.attisdropped "
+        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped "
+        "ORDER BY a.attnum",
+        (other, table),
+    ).fetchall()
+    return [str(r[0]) for r in rows]
 
 
 def _count(conn: psycopg.Connection[Any], table: str) -> int:

@@ -6,7 +6,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import click
 
@@ -254,26 +254,44 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
 
 
 @main.command("projections")
-def projections_() -> None:
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Draw the builds under way as progress bars until they are swapped in or fail.",
+)
+def projections_(watch: bool) -> None:
     """List each projection: the version this code folds, the version its live tables were
-    built by, a build under way or failed (a changed projection is built beside the live one
-    and swapped in by the projector: docs/operations.md), its lag and its parked events."""
+    built by, a build under way (with its progress) or failed (a changed projection is built
+    beside the live one and swapped in by the projector: docs/operations.md), its lag, its
+    parked events, and the earlier versions kept for a rollback."""
+    import psycopg
+
     from app.read_model import ReadModel
     from projections.base import versions
     from projections.registry import PROJECTIONS
+    from spark import keeping
 
     settings = _settings()
     model = ReadModel(settings)
     try:
+        if watch:
+            _watch_builds(model)
         lag = model.lag()
     finally:
         model.close()
-    click.echo(f"{'projection':<20} {'version':<13} {'live':<13} {'lag':>8} {'parked':>7}  state")
+    with psycopg.connect(settings.database()) as conn:
+        kept = keeping.kept(conn)
+    click.echo(
+        f"{'projection':<20} {'version':<13} {'live':<13} {'lag':>8} {'parked':>7}  "
+        f"{'kept':<13}  state"
+    )
     for name, p in PROJECTIONS.items():
         mine, shown = versions.of(p), lag.get(name, {})
         live = shown.get("version") or "-"
         if "building_version" in shown:
             state = f"building {shown['building_version']} since {shown.get('build_started_at')}"
+            if "build_total" in shown:
+                state += "  " + _meter(shown["build_done"], shown["build_total"])
         elif "build_error" in shown:
             state = f"build failed: {shown['build_error']}"
         elif live not in ("-", mine):
@@ -282,10 +300,56 @@ def projections_() -> None:
             state = f"failed: {shown['failed'].get('error')}"
         else:
             state = "live"
+        if report := shown.get("build_report"):
+            changed = ", ".join(
+                f"{t} -{c['only_in_old']}/+{c['only_in_new']} rows"
+                for t, c in report["tables"].items()
+            )
+            state += f" (its build changed {changed})"
+        mine_kept = ",".join(k.version for k in kept if k.projection == name) or "-"
         click.echo(
             f"{name:<20} {mine:<13} {live:<13} {shown.get('events', 0):>8} "
-            f"{shown.get('parked_events', 0):>7}  {state}"
+            f"{shown.get('parked_events', 0):>7}  {mine_kept:<13}  {state}"
         )
+
+
+def _meter(done: int, total: int) -> str:
+    from tqdm import tqdm
+
+    meter = tqdm.format_meter(
+        done, total, 0, ncols=40, unit="ev", bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}"
+    )
+    return str(meter)
+
+
+def _watch_builds(model: Any) -> None:
+    """Progress bars of the builds under way, from what the projector records, until none is."""
+    import time
+
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+    try:
+        while True:
+            building = {n: f for n, f in model.lag().items() if "building_version" in f}
+            for name in [n for n in bars if n not in building]:
+                bars.pop(name).close()
+            if not building:
+                return
+            for name, shown in building.items():
+                if name not in bars:
+                    bars[name] = tqdm(
+                        desc=f"{name} {shown['building_version']}", unit="ev", position=len(bars)
+                    )
+                bar = bars[name]
+                if "build_total" in shown:
+                    bar.total = shown["build_total"]
+                    bar.n = shown["build_done"]
+                bar.refresh()
+            time.sleep(1)
+    finally:
+        for bar in bars.values():
+            bar.close()
 
 
 @main.group("dead-letters")

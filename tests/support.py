@@ -93,6 +93,17 @@ def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]
     producer.close()
 
 
+def cli_env(settings: Settings, home: Path) -> dict[str, str]:
+    """The environment a `logfold` command of `settings`' deployment runs with (`home`: its
+    own, with no local stack's settings to take)."""
+    return {
+        "DATABASE_URL": settings.database(),
+        "KAFKA_BOOTSTRAP_SERVERS": settings.kafka(),
+        "LOGFOLD_TOPIC_PREFIX": settings.topic_prefix,
+        "LOGFOLD_HOME": str(home),
+    }
+
+
 def new_deployment(base: Settings, **overrides: Any) -> Settings:
     """Settings for a fresh, isolated deployment on the shared broker and server: its own topic
     prefix and its own database, migrated to the latest revision."""

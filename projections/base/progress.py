@@ -35,6 +35,25 @@ table = Table(
     Column("building_version", Text),
     Column("build_error", Text),
     Column("build_started_at", DateTime(timezone=True)),
+    # How far that build is (events folded of the log's), and with LOGFOLD_DEPLOY_VERIFY what
+    # the new version changes: per table, rows only in the old version and only in the new.
+    Column("build_done", BigInteger),
+    Column("build_total", BigInteger),
+    Column("build_report", JSONB),
+)
+
+# Earlier versions of a projection kept for a quick rollback (spark/keeping.py): a copy of
+# each of its tables (`tables`: live table -> its copy) at one position of the log (`offsets`),
+# with the number of events skipped on purpose then (a later skip makes the copy unusable).
+kept_versions = Table(
+    "kept_versions",
+    metadata,
+    Column("projection", Text, primary_key=True),
+    Column("version", Text, primary_key=True),
+    Column("offsets", JSONB, nullable=False),
+    Column("tables", JSONB, nullable=False),
+    Column("skipped_events", BigInteger, nullable=False),
+    Column("kept_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 # The projector's own status (spark/status.py), written by its driver every few seconds: its

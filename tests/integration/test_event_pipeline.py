@@ -44,6 +44,7 @@ from tests.integration.test_upcasting import produce_raw, v1_customer_registered
 from tests.oracle import differences
 from tests.support import (
     append_events,
+    cli_env,
     health_component,
     new_deployment,
     projector_session,
@@ -467,6 +468,8 @@ def test_a_changed_projection_is_built_beside_the_live_one_and_swapped_in_atomic
     gap, an empty view or a mix of versions; the swapped view is the new fold of the log,
     events that arrived during the build included. A build that fails leaves the live version
     serving and says why."""
+    from spark import keeping
+    from spark.deploy import Deployer
     from spark.projector import Projector
     from spark.rebuild import Rebuild
 
@@ -522,17 +525,38 @@ def test_a_changed_projection_is_built_beside_the_live_one_and_swapped_in_atomic
     assert report.differences == {"customers": []}  # the new fold of the log, exactly
 
     # `logfold projections`, run with the code of the real projection: another version is live.
-    env = {
-        "DATABASE_URL": deployment.database(),
-        "KAFKA_BOOTSTRAP_SERVERS": deployment.kafka(),
-        "LOGFOLD_TOPIC_PREFIX": deployment.topic_prefix,
-        "LOGFOLD_HOME": str(tmp_path),
-    }
+    env = cli_env(deployment, tmp_path)
     listed = CliRunner().invoke(cli.main, ["projections"], env=env)
     assert listed.exit_code == 0, listed.output
     [line] = [x for x in listed.output.splitlines() if x.startswith("customers ")]
     assert versions.of(customers.projection) in line and versions.of(UPPER) in line
     assert "another version is live" in line
+    v1, v2 = versions.of(customers.projection), versions.of(UPPER)
+    assert line.split()[5] == v1  # kept for a rollback
+
+    # Rolling back: v1's build starts from its kept tables and folds only the events since
+    # (Di, Ed); v2 is kept in turn. Rolling forward again, verified, starts from v2's.
+    deployer = Deployer(spark, deployment, [customers.projection])
+    assert deployer.build(customers.projection) is True
+    assert deployer.reports["customers"].restored == v1
+    assert customer_names(deployment) == {"Ada", "Bo", "Cy", "Di", "Ed"}
+    assert live_version_of(deployment)[0] == v1
+    report = Rebuild(deployment, spark).run(customers.projection, verify=True, progress=False)
+    assert report.differences == {"customers": []}
+    with psycopg.connect(deployment.database()) as conn:
+        assert [k.version for k in keeping.kept(conn, "customers")] == [v2]
+    verified = deployment.model_copy(update={"deploy_verify": True})
+    deployer = Deployer(spark, verified, [UPPER])
+    assert deployer.build(UPPER) is True
+    assert deployer.reports["customers"].restored == v2
+    assert customer_names(deployment) == {"ADA", "BO", "CY", "DI", "ED"}
+    with psycopg.connect(deployment.database()) as conn:
+        assert [k.version for k in keeping.kept(conn, "customers")] == [v1]
+        [changes] = conn.execute(
+            "SELECT build_report FROM projection_progress WHERE projection = 'customers'"
+        ).fetchone()
+    # Every row's name changed: each was only in the old version, and is only in the new.
+    assert changes["tables"] == {"customers": {"only_in_old": 5, "only_in_new": 5}}
 
     # A later projector's build supersedes this one: the last asked for is swapped in.
     with psycopg.connect(deployment.database()) as conn:
