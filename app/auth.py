@@ -151,9 +151,10 @@ def has_scope(scope: str) -> bool:
         return False
 
 
-def require(scope: str, query_token: bool = False) -> Callable[[F], F]:
-    """Route decorator: 401 without a valid token, 403 when it lacks `scope`. `query_token`:
-    the token may come as `?token=` too (a browser's EventSource cannot send headers)."""
+def require(scope: str | Callable[..., str], query_token: bool = False) -> Callable[[F], F]:
+    """Route decorator: 401 without a valid token, 403 when it lacks `scope` (or the scope
+    `scope` gives for the route's arguments). `query_token`: the token may come as `?token=`
+    too (a browser's EventSource cannot send headers)."""
 
     def decorate(view: F) -> F:
         @functools.wraps(view)
@@ -168,8 +169,9 @@ def require(scope: str, query_token: bool = False) -> Callable[[F], F]:
                     headers={"WWW-Authenticate": 'Bearer realm="logfold"'},
                 )
             claims = verify(token, current_app.config["JWT_SECRET"])
-            if scope not in scopes(claims):
-                raise ApiError(403, "forbidden", f"this endpoint needs the {scope!r} scope")
+            needed = scope(**kwargs) if callable(scope) else scope
+            if needed not in scopes(claims):
+                raise ApiError(403, "forbidden", f"this endpoint needs the {needed!r} scope")
             g.subject, g.rows = str(claims["sub"]), claims.get("rows") or {}
             g.claims = claims
             return view(*args, **kwargs)

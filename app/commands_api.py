@@ -26,8 +26,14 @@ IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1b1c2e-3d0e-4d57-9a55-4c0f1d7e2a10")
 CORRELATION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
+def _scope(name: str) -> str:
+    """The scope a command needs (`commands:write`, or its own: `erase-customer`'s `admin`)."""
+    spec = COMMANDS.get(name)
+    return spec.command_type.scope if spec is not None else "commands:write"
+
+
 @bp.post("/commands/<name>")
-@require("commands:write")
+@require(_scope)
 def post_command(name: str) -> Response:
     spec = COMMANDS.get(name)
     if spec is None:

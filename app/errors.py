@@ -19,6 +19,7 @@ HTTP_CODES = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    410: "gone",
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "validation_failed",

@@ -49,6 +49,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, Snapshot, WalPosition, from_record, seen_as, widen
 from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
+from events.base import ERASED
 
 log = logging.getLogger(__name__)
 
@@ -431,12 +432,13 @@ class Hub:
                     t.newest_xid = max(t.newest_xid or 0, t.widened(change.xid))
                 t.ring.append(change)
                 if len(t.ring) > self.replay:
-                    dropped = t.ring.popleft()
-                    if t.served_from is None or t.served_from < dropped.position:
-                        t.served_from = dropped.position  # (not back before a break)
-                    if dropped.xid is not None:
-                        x = t.widened(dropped.xid)
-                        t.dropped_xid = x if t.dropped_xid is None else max(t.dropped_xid, x)
+                    self._drop_oldest(t)
+                if change.row is not None and ERASED in change.row.values():
+                    # A data subject was erased (guarantee 27): older changes may hold its
+                    # personal fields in clear, so none is sent again; a `since` from before
+                    # this one gets `resync`, and a new snapshot with the erased rows.
+                    while len(t.ring) > 1:
+                        self._drop_oldest(t)
                 encoded = Encoded(change)
                 for sub in list(t.subscriptions):
                     if sub.has(change):
@@ -451,6 +453,16 @@ class Hub:
                     self._rebuilt(change)
             if t.changed is not None:
                 t.changed.notify_all()
+
+    def _drop_oldest(self, t: _Table) -> None:
+        """Forget the oldest change of `t`'s history: a `since` or a snapshot from before it
+        can no longer be served. Holds the lock."""
+        dropped = t.ring.popleft()
+        if t.served_from is None or t.served_from < dropped.position:
+            t.served_from = dropped.position  # (not back before a break)
+        if dropped.xid is not None:
+            x = t.widened(dropped.xid)
+            t.dropped_xid = x if t.dropped_xid is None else max(t.dropped_xid, x)
 
     def _rebuilt(self, change: Change) -> None:
         """Subscriptions of a projection whose generation just changed (it was rebuilt) leave

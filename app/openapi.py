@@ -25,6 +25,7 @@ ERRORS = {
     "403": "forbidden",
     "404": "not_found",
     "409": "version_conflict or rule_violated",
+    "410": "gone (the aggregate was erased)",
     "413": "payload_too_large",
     "415": "unsupported_media_type",
     "422": "validation_failed or idempotency_key_reused",
@@ -105,7 +106,7 @@ def build_spec() -> dict[str, Any]:
                 "summary": spec.summary,
                 "operationId": spec.name.replace("-", "_"),
                 "tags": [spec.aggregate.name],
-                "security": [{"bearer": ["commands:write"]}],
+                "security": [{"bearer": [spec.command_type.scope]}],
                 "parameters": [
                     {
                         "name": "Idempotency-Key",

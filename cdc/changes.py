@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from events.base import ERASED
+
 Op = Literal["insert", "update", "delete"]
 
 
@@ -51,12 +53,16 @@ def seen_as(filter: dict[str, Any], change: Change) -> str | None:
     are `delete`s; None when it does not concern the subscriber. Every push protocol (websocket,
     server-sent events, long-polling, webhooks) sees changes this way."""
 
-    def matches(row: dict[str, Any] | None) -> bool:
-        return row is not None and all(row.get(c) == v for c, v in filter.items())
+    def matches(row: dict[str, Any] | None, erased: bool = False) -> bool:
+        return row is not None and all(
+            row.get(c) == v or (erased and row.get(c) == ERASED) for c, v in filter.items()
+        )
 
     if matches(change.row):
         return "upsert"
-    if matches(change.before) or (change.op == "delete" and change.before is None):
+    # An erased value in the before image was some value (`record_for` erases it there too):
+    # it may have matched, and the row is no longer the subscriber's to keep.
+    if matches(change.before, erased=True) or (change.op == "delete" and change.before is None):
         return "delete"
     return None
 
@@ -129,7 +135,12 @@ def record_for(
     if change.op == "delete":
         headers.append(("before", _json(change.before)))
         return _json(change.key, canonical=True), None, headers
-    value = _json({"row": change.row, "before": change.before})
+    before = change.before
+    if before is not None and change.row is not None and ERASED in change.row.values():
+        # A subject's personal fields were erased (guarantee 27): the record that says so is
+        # the one compaction keeps of the row, so its before image must not hold them either.
+        before = {c: ERASED if change.row.get(c) == ERASED else v for c, v in before.items()}
+    value = _json({"row": change.row, "before": before})
     return _json(change.key, canonical=True), value, headers
 
 

@@ -24,6 +24,11 @@ def not_found(message: str) -> Rejected:
     return Rejected("not_found", message)
 
 
+def gone(message: str) -> Rejected:
+    """The aggregate was erased: nothing can be done to it any more."""
+    return Rejected("gone", message)
+
+
 def invalid(message: str, details: list[dict[str, Any]] | None = None) -> Rejected:
     return Rejected("validation_failed", message, details or [])
 

@@ -17,6 +17,7 @@ class Command:
     (`RenameCustomer` → `rename-customer`); its summary is its docstring's first line."""
 
     creates: ClassVar[bool] = False  # True: it makes a new aggregate (no aggregate_id needed)
+    scope: ClassVar[str] = "commands:write"  # the token scope that may send it
 
     @classmethod
     def wire_name(cls) -> str:

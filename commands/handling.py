@@ -8,9 +8,9 @@ away if that transaction does not commit."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -21,7 +21,27 @@ from commands.registry import AGGREGATES, COMMANDS
 from commands.schemas import details
 from events.serialization import Envelope, envelope_for, from_data, to_data
 
-STATUS = {"not_found": 404, "rule_violated": 409, "version_conflict": 409, "validation_failed": 422}
+STATUS = {
+    "not_found": 404,
+    "rule_violated": 409,
+    "version_conflict": 409,
+    "gone": 410,
+    "validation_failed": 422,
+    "unavailable": 503,
+}
+
+
+class Keys(Protocol):
+    """Where data subjects' keys are (`events/keys.py`): personal fields are sealed with them."""
+
+    def seal(self, subject: str, data: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+        """`data` with `fields` sealed with `subject`'s key, made on first use; `gone` when the
+        subject was erased."""
+        ...
+
+    def erase(self, subject: str) -> None:
+        """Destroy `subject`'s key."""
+        ...
 
 
 @dataclass
@@ -93,6 +113,7 @@ def handle(
     refs: References,
     now: Callable[[], float],
     new_id: Callable[[], str],
+    keys: Keys,
 ) -> Outcome:
     if now() > msg.deadline:
         return Outcome(504, error_body("timeout", "the command expired before it was processed"))
@@ -110,7 +131,7 @@ def handle(
                 )
             return Outcome(seen.status, seen.body, replay=True)
     try:
-        outcome = _decide(msg, part, refs, now, new_id)
+        outcome = _decide(msg, part, refs, now, new_id, keys)
     except Rejected as r:
         return Outcome(STATUS[r.code], error_body(r.code, r.message, r.details))
     if msg.idempotency_key is not None and outcome.events:
@@ -129,6 +150,7 @@ def _decide(
     refs: References,
     now: Callable[[], float],
     new_id: Callable[[], str],
+    keys: Keys,
 ) -> Outcome:
     spec = COMMANDS.get(msg.name)
     if spec is None or spec.aggregate.name != msg.aggregate_type:
@@ -155,22 +177,27 @@ def _decide(
     events = spec.aggregate.decide(state, command, refs)
     occurred_at = datetime.fromtimestamp(now(), UTC).isoformat().replace("+00:00", "Z")
     envelopes = []
+    subject = f"{msg.aggregate_type}:{msg.aggregate_id}"  # whose personal fields these are
     for event in events:
         version += 1
         state = spec.aggregate.evolve(state, event)
-        envelopes.append(
-            envelope_for(
-                event,
-                event_id=new_id(),
-                aggregate_type=msg.aggregate_type,
-                aggregate_id=msg.aggregate_id,
-                version=version,
-                occurred_at=occurred_at,
-                command_id=msg.command_id,
-                correlation_id=msg.correlation_id,
-                causation_id=msg.command_id,
-            )
+        envelope = envelope_for(
+            event,
+            event_id=new_id(),
+            aggregate_type=msg.aggregate_type,
+            aggregate_id=msg.aggregate_id,
+            version=version,
+            occurred_at=occurred_at,
+            command_id=msg.command_id,
+            correlation_id=msg.correlation_id,
+            causation_id=msg.command_id,
         )
+        if event.PERSONAL:  # stored sealed (guarantee 27)
+            envelope = replace(envelope, data=keys.seal(subject, envelope.data, event.PERSONAL))
+        envelopes.append(envelope)
+    for event in events:
+        if event.ERASES:  # before the events are written: never a commit without it
+            keys.erase(subject)
     part.aggregates[key] = AggregateRecord(version, state)
     body = {
         "aggregate_type": msg.aggregate_type,

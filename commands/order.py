@@ -4,6 +4,7 @@ from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 from commands.book import Book
+from commands.customer import Customer
 from commands.errors import invalid, rule_violated
 from commands.fields import Amount, Command, Id, Items, Number, Text
 from commands.references import References
@@ -88,8 +89,13 @@ def decide(state: Order | None, command: object, refs: References) -> list[Domai
 
 def _place(customer_id: str, lines: tuple[OrderLine, ...], refs: References) -> OrderPlaced:
     problems = []
-    if refs.get("customer", customer_id) is None:
+    customer = refs.get("customer", customer_id)
+    if customer is None:
         problems.append({"field": "data.customer_id", "problem": f"unknown customer {customer_id}"})
+    elif isinstance(customer, Customer) and customer.erased:
+        problems.append(
+            {"field": "data.customer_id", "problem": f"customer {customer_id} was erased"}
+        )
     placed = []
     for i, line in enumerate(lines):
         book = refs.get("book", line.book_id)

@@ -30,6 +30,7 @@ from commands.handling import (
     PartitionState,
     handle,
 )
+from commands.keys import KeyStore
 from commands.messages import CommandMessage, LogPosition, Reply
 from commands.registry import AGGREGATES
 from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
@@ -142,6 +143,8 @@ class PartitionOwner:
         self.producer.init_transactions()
         self.resume_at: int | None = None  # the next command to process, if ever recorded
         self.next_offset: dict[str, int] = {}
+        # Its subjects' keys (guarantee 27): each is this partition's alone, as its commands.
+        self.keys = KeyStore(settings.database())
         self.state = self._restore()
 
     def _restore(self) -> PartitionState:
@@ -257,7 +260,7 @@ class PartitionOwner:
         except (ValueError, TypeError, KeyError):
             log.error("skipping unreadable command at offset %s", record.offset)
             return None
-        outcome = handle(msg, self.state, refs, time.time, lambda: str(uuid.uuid4()))
+        outcome = handle(msg, self.state, refs, time.time, lambda: str(uuid.uuid4()), self.keys)
         position = None
         for e in outcome.events:
             topic = self.topics.events(e.aggregate_type)
@@ -303,6 +306,7 @@ class PartitionOwner:
 
     def close(self) -> None:
         close_within(self.producer, 5)
+        self.keys.close()
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -25,6 +25,10 @@ PROJECTOR_BEAT_S = 5.0
 # How long changelogs keep every change, and then deletes (LOGFOLD_CDC_COMPACTION_LAG_MS,
 # LOGFOLD_CDC_DELETE_RETENTION_MS): a day each.
 CHANGELOG_KEEP_MS = 24 * 3600 * 1000
+# A changelog's segments roll at least this often and are compacted at most this long after
+# their compaction lag: an erased subject's older records are gone from the changelogs within
+# the lag and this (guarantee 27; the active segment is never compacted).
+CHANGELOG_SEGMENT_MS = 3600 * 1000
 # Tokens: the audience (`aud`) each must name, and the longest lifetime (`exp` - `iat`) the API
 # accepts; `logfold token` issues them so (LOGFOLD_JWT_AUDIENCE, LOGFOLD_JWT_MAX_TTL_S).
 JWT_AUDIENCE = "logfold-api"

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+# What a view shows of a personal field whose subject was erased (guarantee 27).
+ERASED = "[erased]"
+
 
 @dataclass(frozen=True)
 class DomainEvent:
@@ -13,6 +16,12 @@ class DomainEvent:
     one in `events.upcasting`)."""
 
     SCHEMA_VERSION: ClassVar[int] = 1
+    # Its personal fields (guarantee 27): stored sealed with a key of its aggregate's own (the
+    # data subject), readable while that key exists (`events/keys.py`). A projection may copy
+    # them into a view, never compute on them: they are opened only as rows enter Postgres.
+    PERSONAL: ClassVar[tuple[str, ...]] = ()
+    # Whether it erases its aggregate: the subject's key is destroyed as it is written.
+    ERASES: ClassVar[bool] = False
 
     @classmethod
     def type_name(cls) -> str:

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from events.base import DomainEvent
 from events.book import BookAdded, BookRepriced
-from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
+from events.customer import (
+    CustomerEmailChanged,
+    CustomerErased,
+    CustomerRegistered,
+    CustomerRenamed,
+)
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped
 
 EVENTS_BY_AGGREGATE: dict[str, tuple[type[DomainEvent], ...]] = {
-    "customer": (CustomerRegistered, CustomerRenamed, CustomerEmailChanged),
+    "customer": (CustomerRegistered, CustomerRenamed, CustomerEmailChanged, CustomerErased),
     "book": (BookAdded, BookRepriced),
     "order": (OrderPlaced, OrderPaid, OrderShipped, OrderCancelled),
 }

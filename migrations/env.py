@@ -4,6 +4,7 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 
 import cdc.state  # noqa: F401
+import commands.keys  # noqa: F401
 import projections.base.progress
 import projections.registry  # noqa: F401  (loads every view's table)
 import webhooks.tables  # noqa: F401

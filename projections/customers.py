@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import BigInteger, Column, DateTime, Table, Text
 
+from events.base import ERASED
 from projections import metadata
 from projections.base import Output, Projection
 
@@ -22,15 +23,21 @@ table = Table(
 
 
 def rows() -> Rows:
-    """A customer event sets the fields it carries."""
+    """A customer event sets the fields it carries; an erasure marks its personal ones erased.
+    They come sealed (events/keys.py) and are only copied: they are opened in Postgres."""
     from projections.base.rows import F, field, one, when_type
 
+    erased = F.col("type") == "CustomerErased"
     return one(
         table,
         F.col("aggregate_type") == "customer",
         customer_id=F.col("aggregate_id"),
-        name=when_type(("CustomerRegistered", "CustomerRenamed"), field("name")),
-        email=when_type(("CustomerRegistered", "CustomerEmailChanged"), field("email")),
+        name=F.when(erased, F.lit(ERASED)).otherwise(
+            when_type(("CustomerRegistered", "CustomerRenamed"), field("name"))
+        ),
+        email=F.when(erased, F.lit(ERASED)).otherwise(
+            when_type(("CustomerRegistered", "CustomerEmailChanged"), field("email"))
+        ),
         registered_at=when_type("CustomerRegistered", F.col("occurred_at")),
         version=F.col("version"),
     )
@@ -41,5 +48,6 @@ output = Output(
     rows=rows,
     merge=dict.fromkeys(("name", "email", "registered_at"), "latest"),
     filterable=("name", "email"),
+    personal={"name": ("customer", "customer_id"), "email": ("customer", "customer_id")},
 )
 projection = Projection("customers", topics=("customer",), outputs=(output,))

@@ -164,7 +164,7 @@ def merge_staged(
         setup.execute(f"DROP TABLE IF EXISTS {staged}")
         setup.execute(f"CREATE UNLOGGED TABLE {staged} ({output.staged})")
     rows = rows_frame(output, events)
-    n = bulk_load(database, rows, staged, tuple(rows.columns))
+    n = bulk_load(database, rows, staged, tuple(rows.columns), output.personal)
     if n:
         tables = [output.name + suffix, *(f"{s.name}{suffix}" for s in output.state)]
         keys = drop_keys(conn, tables) if empty else []

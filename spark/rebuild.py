@@ -418,7 +418,13 @@ class Rebuild:
         watcher = _TaskProgress(self.spark, bar, share)
         watcher.start()
         try:
-            bulk_load(self.url, fold(output, events), output.name + SHADOW, output.columns)
+            bulk_load(
+                self.url,
+                fold(output, events),
+                output.name + SHADOW,
+                output.columns,
+                output.personal,
+            )
         finally:
             watcher.stop()
         shadow = output.name + SHADOW

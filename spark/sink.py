@@ -14,13 +14,17 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 import psycopg
 from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import TimestampType
 
+from events.base import ERASED
+from events.keys import MARK, open_rows
 from projections.base import Offsets, Output, Projection
 from projections.base.rows import fold
+from spark.erasure import clear_values, erase_copies, erased_subjects
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +202,23 @@ def merge_json(conn: psycopg.Connection[Any], output: Output, rows: str, suffix:
     """Merge `rows`, a JSON array of row objects (by column name, any number per key), into the
     output's table (+ `suffix`: its shadow) by the output's rules (`Output.merge_statements`).
     Postgres converts the values. A statement that does not name the parameter (one that
-    reads rows an earlier statement staged) runs without it."""
+    reads rows an earlier statement staged) runs without it.
+
+    Personal columns' sealed values are opened here, in the transaction that writes them
+    (`events/keys.py`): nothing before Postgres holds them in clear. Rows that erase a
+    subject erase it in the copies outside the view too (`spark/erasure.py`)."""
+    erasing: tuple[list[str], set[str]] | None = None
+    if output.personal and (MARK in rows or ERASED in rows):
+        found = orjson.loads(rows)
+        open_rows(conn, found, output.personal)
+        rows = orjson.dumps(found).decode()
+        subjects = erased_subjects(output, found) if not suffix else []
+        if subjects:
+            erasing = subjects, clear_values(conn, output, subjects)
     for statement in output.merge_statements(suffix, "%s"):
         conn.execute(statement, (rows,) if "%s" in statement else None)
+    if erasing is not None:
+        erase_copies(conn, output, *erasing)
 
 
 def count_once(
@@ -398,12 +416,20 @@ def drop_keys(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
     return [f"ALTER TABLE {table} ADD CONSTRAINT {name} {d}" for table, name, d in found]
 
 
-def bulk_load(database_url: str, rows: DataFrame, table: str, columns: tuple[str, ...]) -> int:
+def bulk_load(
+    database_url: str,
+    rows: DataFrame,
+    table: str,
+    columns: tuple[str, ...],
+    personal: dict[str, tuple[str, str]] | None = None,
+) -> int:
     """COPY `rows` into `table` (`columns` in that order), each Spark partition in its own
     connection and transaction; returns the rows written. Spark hands the rows to Python as
     Arrow batches, written to Postgres as CSV: several times faster than row by row
-    (`docs/benchmarks-journal.md`, rebuild)."""
+    (`docs/benchmarks-journal.md`, rebuild). The sealed values of `personal` columns (as
+    `Output.personal`) are opened on the way, with the keys of the batch's subjects."""
     statement = f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT csv)"
+    personal = {c: s for c, s in (personal or {}).items() if c in columns}
 
     def load(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
@@ -411,12 +437,19 @@ def bulk_load(database_url: str, rows: DataFrame, table: str, columns: tuple[str
 
         options = csv.WriteOptions(include_header=False)  # null: empty; "": quoted
         n = 0
+        keys = psycopg.connect(database_url, autocommit=True) if personal else None
         with psycopg.connect(database_url) as conn, conn.cursor().copy(statement) as copy:
             for batch in batches:
+                if keys is not None:
+                    found = batch.to_pylist()
+                    open_rows(keys, found, personal)
+                    batch = pa.RecordBatch.from_pylist(found, schema=batch.schema)
                 buffer = io.BytesIO()
                 csv.write_csv(batch, buffer, write_options=options)
                 copy.write(buffer.getbuffer())
                 n += batch.num_rows
+        if keys is not None:
+            keys.close()
         yield pa.RecordBatch.from_pydict({"rows": [n]})
 
     written = wire_rows(rows.select(*columns)).mapInArrow(load, "rows long").collect()

@@ -12,7 +12,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, Ne
 from kafka.errors import TopicAlreadyExistsError
 
 from commands.handling import IDEMPOTENCY_RETENTION_S
-from config.settings import Settings
+from config.settings import CHANGELOG_SEGMENT_MS, Settings
 from config.topics import Topics
 from events.catalog import AGGREGATE_TYPES
 from stack.procs import wait_until
@@ -21,6 +21,9 @@ from streams.registry import STREAMS
 DAY_MS = 24 * 3600 * 1000
 # Configurations where a larger value than the spec's only keeps records longer: fine.
 AT_LEAST = ("min.compaction.lag.ms", "delete.retention.ms")
+# Set when a topic is made, not checked: how soon compaction may run (changelogs made before
+# these were set keep Kafka's defaults: an erasure then reaches them later, docs/operations.md).
+NOT_CHECKED = ("segment.ms", "max.compaction.lag.ms")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ def topic_specs(topics: Topics) -> list[TopicSpec]:
         **compact,
         "min.compaction.lag.ms": str(topics.cdc_compaction_lag_ms),
         "delete.retention.ms": str(topics.cdc_delete_retention_ms),
+        "segment.ms": str(CHANGELOG_SEGMENT_MS),
+        "max.compaction.lag.ms": str(topics.cdc_compaction_lag_ms + CHANGELOG_SEGMENT_MS),
     }
     return [
         *(
@@ -189,6 +194,8 @@ def check_topics(settings: Settings) -> None:
             for spec in present:
                 actual = configs.get(spec.name, {})
                 for key, want in spec.configs.items():
+                    if key in NOT_CHECKED:
+                        continue
                     have = str(actual.get(key))
                     if key in AT_LEAST and _at_least(have, want):
                         continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from cdc.changes import Change, WalPosition, record_for
 from config.settings import Settings
 from config.topics import Topics
 from events.base import DomainEvent
+from events.keys import find_keys, open_value, subject
 from events.partitioning import partition_for
 from events.serialization import Envelope, encode, envelope_for
 from events.store import read_events
@@ -91,6 +93,27 @@ def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]
         producer.send(topic, key=k, value=v, headers=headers, partition=0)
     producer.flush()
     producer.close()
+
+
+def tables_holding(settings: Settings, *values: str) -> dict[str, int]:
+    """Rows of every table that hold any of `values` anywhere in them, per table."""
+    found = {}
+    with psycopg.connect(settings.database()) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+            )
+        ]
+        for table in tables:
+            row = conn.execute(
+                f"SELECT count(*) FROM {table} t WHERE "
+                + " OR ".join("strpos(t::text, %s) > 0" for _ in values),
+                values,
+            ).fetchone()
+            if row and row[0]:
+                found[table] = int(row[0])
+    return found
 
 
 def cli_env(settings: Settings, home: Path) -> dict[str, str]:
@@ -243,8 +266,25 @@ def append_events(
     producer.close()
 
 
-def log_of(settings: Settings, aggregate_type: str) -> list[Envelope]:
-    return read_events(settings.kafka(), Topics(settings.topic_prefix).events(aggregate_type))
+def log_of(settings: Settings, aggregate_type: str, opened: bool = True) -> list[Envelope]:
+    """The events of `aggregate_type` in log order; with their personal fields opened with
+    their subjects' keys (`[erased]` once gone), unless not `opened`: as stored, sealed."""
+    log = read_events(settings.kafka(), Topics(settings.topic_prefix).events(aggregate_type))
+    if not opened:
+        return log
+    with psycopg.connect(settings.database()) as conn:
+        keys = find_keys(conn, [subject(aggregate_type, e.aggregate_id) for e in log])
+    return [
+        dataclasses.replace(
+            e,
+            data={
+                k: open_value(keys.get(who), who, v)
+                for k, v in e.data.items()
+                for who in [subject(aggregate_type, e.aggregate_id)]
+            },
+        )
+        for e in log
+    ]
 
 
 @dataclass

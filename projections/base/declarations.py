@@ -84,9 +84,18 @@ class Output(View):
     late: bool = False  # its rows are late events, counted in the projection's progress
     # Tables it keeps for itself (not served): a rebuild fills their shadows with the output's.
     state: tuple[Table, ...] = ()
+    # Its personal columns (guarantee 27): column -> the aggregate type of its data subject and
+    # the column holding the subject's id. They hold an event's personal field as it came,
+    # sealed; it is opened as the rows enter Postgres (events/keys.py), `[erased]` once the
+    # subject's key is gone. A fold copies such a field, never computes on it.
+    personal: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        problems = [f"{c} is not a column" for c in self.merge if c not in self.columns]
+        problems = [
+            f"{c} is not a column"
+            for c in (*self.merge, *self.personal, *(i for _, i in self.personal.values()))
+            if c not in self.columns
+        ]
         if self.version_column is None and "latest" in self.merge.values():
             problems.append("`latest` columns need a version column")
         elif self.version_column is not None and self.version_column not in self.columns:

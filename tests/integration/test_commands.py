@@ -5,12 +5,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import psycopg
 from flask.testing import FlaskClient
 from kafka import KafkaProducer
 
 from commands.messages import LogPosition
 from config.settings import Settings
 from config.topics import Topics
+from events.keys import find_keys, is_sealed, open_value, subject
 from events.partitioning import partition_for
 from events.store import read_to_end
 from tests.support import log_of, token
@@ -35,10 +37,17 @@ def test_register_customer_commits_an_event_with_the_full_envelope(
     body = r.json
     assert body["aggregate_type"] == "customer" and body["version"] == 1
     assert [e["type"] for e in body["events"]] == ["CustomerRegistered"]
-    [event] = [e for e in log_of(deployment, "customer") if e.aggregate_id == body["aggregate_id"]]
+    stored = log_of(deployment, "customer", opened=False)
+    [event] = [e for e in stored if e.aggregate_id == body["aggregate_id"]]
     assert event.event_id == body["events"][0]["event_id"]
     assert event.version == 1 and event.schema_version == 2
-    assert event.data == {"name": "Ada", "email": "ada@example.com"}
+    # Stored sealed with the customer's key (guarantee 27), which opens them.
+    assert all(is_sealed(v) for v in event.data.values())
+    who = subject("customer", event.aggregate_id)
+    with psycopg.connect(deployment.database()) as conn:
+        key = find_keys(conn, [who]).get(who)
+    opened = {k: open_value(key, who, v) for k, v in event.data.items()}
+    assert opened == {"name": "Ada", "email": "ada@example.com"}
     assert event.correlation_id == "corr-1"
     assert event.causation_id == event.command_id
     assert event.occurred_at.endswith("Z")

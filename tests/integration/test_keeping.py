@@ -1,9 +1,11 @@
-"""Earlier versions of a projection kept for a rollback (spark/keeping.py), and a build's
-progress as `logfold projections` shows it, on real Postgres (the builds that use them run on
-Spark in test_event_pipeline.py)."""
+"""Earlier versions of a projection kept for a rollback (spark/keeping.py), a build's progress
+as `logfold projections` shows it, and an erasure reaching the copies outside a view
+(spark/erasure.py), on real Postgres (the builds that use them run on Spark in
+test_event_pipeline.py, the whole erasure in test_live_joins.py)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,11 +15,12 @@ import pytest
 from click.testing import CliRunner
 
 from config.settings import Settings
+from events.base import ERASED
 from spark import keeping
 from spark.deploy import _Progress
 from stack import cli
 from stack.procs import wait_until
-from tests.support import cli_env
+from tests.support import cli_env, tables_holding
 
 pytestmark = pytest.mark.integration
 
@@ -140,3 +143,41 @@ def test_a_builds_progress_is_recorded_and_drawn_by_logfold_projections(
     assert watched[0].exit_code == 0, watched[0].output
     [line] = [x for x in watched[0].output.splitlines() if x.startswith("customers ")]
     assert line.split()[2] == "v2"
+
+
+def test_an_erasure_reaches_the_kept_copies_and_the_webhooks_dead_letters(fresh: Settings) -> None:
+    """Guarantee 27, for the copies CDC does not reach: a batch that erases a customer erases
+    it in the kept versions of the view and in the bodies of webhook dead letters."""
+    from projections import customers
+    from spark.sink import merge_json
+
+    name, email = "Ada Lovelace", "0@example.com"
+    _live(fresh, "v1", [name, "Bo"])
+    assert keeping.keep(fresh.database(), "customers", ["customers"], streams=False)
+    body = json.dumps(
+        {"type": "change", "row": {"customer_id": "c0", "name": name, "email": email}}
+    )
+    with psycopg.connect(fresh.database()) as conn:
+        conn.execute(
+            "INSERT INTO webhook_endpoints (id, url, view, secret, cursor) "
+            "VALUES ('e1', 'https://example.com/hook', 'customers', 's', 0)"
+        )
+        conn.execute(
+            'INSERT INTO webhook_dead_letters (message_id, endpoint_id, "offset", position, key, '
+            "body, attempts, last_error, first_attempt_at, failed_at) "
+            "VALUES ('m1', 'e1', 0, '1.1', %s, %s, 3, '500', now(), now())",
+            ('{"customer_id": "c0"}', body),
+        )
+    assert set(tables_holding(fresh, name, email)) == {
+        "customers",
+        "customers__kept_" + keeping._digest("v1"),
+        "webhook_dead_letters",
+    }
+    erased = [{"customer_id": "c0", "name": ERASED, "email": ERASED, "version": 9}]
+    with psycopg.connect(fresh.database()) as conn:
+        merge_json(conn, customers.output, json.dumps(erased))
+    assert tables_holding(fresh, name, email) == {}
+    assert tables_holding(fresh, "Bo") != {}  # the others' rows untouched
+    with psycopg.connect(fresh.database()) as conn:
+        [sent] = conn.execute("SELECT body FROM webhook_dead_letters").fetchone() or [None]
+    assert json.loads(sent)["row"] == {"customer_id": "c0", "name": ERASED, "email": ERASED}

@@ -4,6 +4,7 @@ Every process is started with the real CLI; the plain table is written with plai
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -12,10 +13,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from commands.messages import LogPosition
 from config.settings import Settings
+from config.topics import Topics
+from events.base import ERASED
 from stack.procs import wait_until
+from stack.topics import topic_spec
 from tests.changes import slot_ready
 from tests.support import (
     HttpApi,
@@ -23,7 +28,9 @@ from tests.support import (
     cli,
     drop_cdc_slot,
     new_deployment,
+    tables_holding,
     token,
+    topic_records,
 )
 from tests.wsclient import WsClient, fold
 
@@ -428,3 +435,140 @@ def test_every_view_over_a_stream_reaches_its_subscribers(stack: Stack) -> None:
         PIPELINE_S,
     )
     client.close()
+
+
+def _clear_in_kafka(settings: Settings, *values: str) -> dict[str, int]:
+    """Records of every topic of the deployment that hold any of `values`, per topic; but the
+    commands and the joins' row hand-over, which keep them for their retention (an hour, a
+    day: docs/operations.md, Erasing a customer)."""
+    transient = (Topics(settings.topic_prefix).commands, Topics(settings.topic_prefix).join_rows)
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
+    try:
+        names = [t for t in admin.list_topics() if t.startswith(settings.topic_prefix)]
+    finally:
+        admin.close()
+    found = {}
+    for topic in names:
+        if topic in transient:
+            continue
+        hits = [
+            r
+            for r in topic_records(settings, topic)
+            if any(v.encode() in (r.value or b"") + (r.key or b"") for v in values)
+        ]
+        if hits:
+            found[topic] = len(hits)
+    return found
+
+
+def test_erasing_a_customer_reaches_every_derived_copy(stack: Stack) -> None:
+    """Guarantee 27: register, order, subscribe, erase. Then the customer's name and email are
+    nowhere: not in any Postgres table, not in any compacted topic once compacted, not in what
+    subscribers are sent after the erasure; a rebuild gives the erased rows too; later commands
+    on it answer 410. Its events stay in the log, unreadable."""
+    tag = uuid.uuid4().hex[:8]
+    name, email = f"Eve {tag}", f"eve-{tag}@example.com"
+    book = stack.command(
+        "add-book",
+        {"title": "Beloved", "author": f"Morrison {tag}", "price_cents": 1200, "royalty_rate": 0.1},
+    )
+    eve = f"eve-{tag}"
+    client = stack.client()
+    _subscribed(client, "me", "customers", {"customer_id": eve})  # before she exists
+    _subscribed(client, "orders", "order_summaries", {"customer_id": eve})
+    stack.command("register-customer", {"name": name, "email": email}, aggregate_id=eve)
+    order = stack.command(
+        "place-order", {"customer_id": eve, "lines": [{"book_id": book, "quantity": 1}]}
+    )
+    # While the key exists, the views and their subscribers have the clear values.
+    client.wait_for(
+        lambda: _rows(client, "orders", "order_id").get(order, {}).get("customer_name") == name,
+        "the order's summary with Eve's name",
+        PIPELINE_S,
+    )
+    assert _rows(client, "me", "customer_id")[eve]["email"] == email
+    assert not client.of("me", "snapshot")[0]["rows"]  # her registration came as a change
+    events = Topics(stack.settings.topic_prefix).events("customer")
+    assert not _clear_in_kafka(stack.settings, name, email).get(events)  # sealed in the log
+
+    erased = stack.api.command("erase-customer", {}, aggregate_id=eve)
+    assert erased.status == 201, erased.body
+    client.wait_for(
+        lambda: (
+            _rows(client, "me", "customer_id")[eve]["name"] == ERASED
+            and _rows(client, "orders", "order_id")[order]["customer_name"] == ERASED
+        ),
+        "the erasure pushed to both subscriptions",
+        PIPELINE_S,
+    )
+    assert _rows(client, "me", "customer_id")[eve]["email"] == ERASED
+    assert _rows(client, "orders", "order_id")[order]["customer_email"] == ERASED
+    for sub in ("me", "orders"):  # the last change of her row, as pushed: no clear value
+        pushed = json.dumps(client.of(sub, "change")[-1])
+        assert name not in pushed and email not in pushed
+
+    # Nothing can be done to it any more.
+    renamed = stack.api.command("rename-customer", {"name": "Eve Again"}, aggregate_id=eve)
+    assert (renamed.status, renamed.body["error"]["code"]) == (410, "gone"), renamed.body
+    ordered = stack.api.command(
+        "place-order", {"customer_id": eve, "lines": [{"book_id": book, "quantity": 1}]}
+    )
+    assert ordered.status == 422 and "erased" in json.dumps(ordered.body), ordered.body
+
+    # A new subscriber, or one resuming from before the erasure, is sent no clear value.
+    late = stack.client()
+    _subscribed(late, "me", "customers", {"customer_id": eve})
+    first = client.of("me", "snapshot")[0]["position"]
+    late.subscribe("again", "customers", {"customer_id": eve}, since=first)
+    late.wait_for(lambda: bool(late.of("again")), "the resumed subscription's first message")
+    assert name not in json.dumps(late.messages) and email not in json.dumps(late.messages)
+
+    assert tables_holding(stack.settings, name, email) == {}
+    done = cli(stack.settings, "rebuild", "customers", "--verify")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "verify customers: identical to the live view" in done.stdout
+    assert tables_holding(stack.settings, name, email) == {}
+
+    # The changelogs, once compacted, keep only each row's newest record: the erased one.
+    # (Compaction made quick here, the topics' other settings kept, as a legacy AlterConfigs
+    # replaces them all; each roll of a segment needs a later record, so commands keep coming
+    # while it is waited for.)
+    topics = Topics.of(stack.settings)
+    quick = {"min.compaction.lag.ms": "0", "segment.ms": "100", "min.cleanable.dirty.ratio": "0.01"}
+    admin = KafkaAdminClient(bootstrap_servers=stack.settings.kafka())
+    try:
+        admin.alter_configs(
+            [
+                ConfigResource(
+                    ConfigResourceType.TOPIC,
+                    topics.cdc(t),
+                    configs={**topic_spec(topics, topics.cdc(t)).configs, **quick},
+                )
+                for t in ("customers", "order_summaries")
+            ]
+        )
+    finally:
+        admin.close()
+
+    left: list[dict[str, int]] = []
+
+    def compacted() -> bool:
+        other = stack.command("register-customer", {"name": "Filler", "email": "f@example.com"})
+        stack.command(
+            "place-order", {"customer_id": other, "lines": [{"book_id": book, "quantity": 1}]}
+        )
+        left.append(_clear_in_kafka(stack.settings, name, email))
+        return left[-1] == {}
+
+    try:
+        wait_until(compacted, 180, "no clear value left in any compacted topic")
+    except TimeoutError as e:
+        dump = [
+            (r.offset, r.key, r.value)
+            for t in left[-1]
+            for r in topic_records(stack.settings, t)
+            if name.encode() in (r.value or b"")
+        ]
+        raise AssertionError(f"clear values left, per topic: {left[-1:]} {dump}") from e
+    for c in (client, late):
+        c.close()

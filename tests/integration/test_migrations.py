@@ -6,6 +6,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
+import commands.keys  # noqa: F401  (the subjects' keys)
 import projections.base.progress
 import projections.registry  # noqa: F401  (every view's table)
 import webhooks.tables  # noqa: F401  (the webhook endpoints and dead letters)

@@ -1,6 +1,19 @@
-from commands.customer import ChangeCustomerEmail, Customer, RegisterCustomer, RenameCustomer
+import pytest
+
+from commands.customer import (
+    ChangeCustomerEmail,
+    Customer,
+    EraseCustomer,
+    RegisterCustomer,
+    RenameCustomer,
+)
 from commands.registry import AGGREGATES
-from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
+from events.customer import (
+    CustomerEmailChanged,
+    CustomerErased,
+    CustomerRegistered,
+    CustomerRenamed,
+)
 
 CUSTOMER = AGGREGATES["customer"]
 
@@ -36,7 +49,27 @@ def test_evolve_folds_every_event(given):
         CustomerRenamed(name="Ann Park"),
         CustomerEmailChanged(email="ann@park.example"),
     ).state
-    assert state == Customer(name="Ann Park", email="ann@park.example")
+    assert state == Customer()  # what deciding needs: it exists, not erased
+
+
+def test_erase(given):
+    given(CUSTOMER, REGISTERED).when(EraseCustomer()).then(CustomerErased())
+    assert given(CUSTOMER, REGISTERED, CustomerErased()).state == Customer(erased=True)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        RenameCustomer("Ann Park"),
+        ChangeCustomerEmail("a@b.example"),
+        EraseCustomer(),
+        RegisterCustomer("Ann Lee", "ann@example.com"),
+    ],
+)
+def test_every_command_on_an_erased_customer_is_gone(given, command):
+    given(CUSTOMER, REGISTERED, CustomerErased()).when(command).then_rejected(
+        "gone", message_contains="erased", details=[]
+    )
 
 
 def test_register_is_still_refused_after_later_changes(given):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from commands.errors import gone
 from commands.handling import PartitionState, handle
 from commands.messages import CommandMessage, LogPosition
 from commands.references import NoReferences
@@ -28,9 +29,24 @@ def msg(name: str, aggregate_type: str, data: dict[str, Any], **kw: Any) -> Comm
     return CommandMessage(**fields)
 
 
-def run(m: CommandMessage, part: PartitionState) -> Any:
+class FakeKeys:
+    """Seals by wrapping (`sealed(<subject>):<value>`); an erased subject's seal is `gone`."""
+
+    def __init__(self) -> None:
+        self.erased: list[str] = []
+
+    def seal(self, subject: str, data: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+        if subject in self.erased:
+            raise gone(f"{subject} was erased")
+        return {k: f"sealed({subject}):{v}" if k in fields else v for k, v in data.items()}
+
+    def erase(self, subject: str) -> None:
+        self.erased.append(subject)
+
+
+def run(m: CommandMessage, part: PartitionState, keys: FakeKeys | None = None) -> Any:
     ids = iter(f"e{i}" for i in range(100))
-    return handle(m, part, NoReferences(), lambda: NOW, lambda: next(ids))
+    return handle(m, part, NoReferences(), lambda: NOW, lambda: next(ids), keys or FakeKeys())
 
 
 REGISTER = {"name": "Ada", "email": "ada@example.com"}
@@ -51,7 +67,28 @@ def test_accepted_command_gets_versions_envelopes_and_updates_state() -> None:
     assert env.occurred_at == "2027-01-15T08:00:00Z"
     assert part.aggregates[("customer", "a1")].version == 1
     out = run(msg("rename-customer", "customer", {"name": "Ada L"}), part)
-    assert out.body["version"] == 2 and part.aggregates[("customer", "a1")].state.name == "Ada L"
+    assert out.body["version"] == 2 and part.aggregates[("customer", "a1")].version == 2
+
+
+def test_personal_fields_are_sealed_and_an_erasure_destroys_the_key_before_its_event() -> None:
+    part, keys = PartitionState(), FakeKeys()
+    [registered] = run(msg("register-customer", "customer", REGISTER), part, keys).events
+    assert registered.data == {
+        "name": "sealed(customer:a1):Ada",
+        "email": "sealed(customer:a1):ada@example.com",
+    }
+    out = run(msg("erase-customer", "customer", {}), part, keys)
+    assert out.status == 201 and [e.type for e in out.events] == ["CustomerErased"]
+    assert keys.erased == ["customer:a1"]
+    out = run(msg("rename-customer", "customer", {"name": "Bo"}), part, keys)
+    assert (out.status, out.body["error"]["code"], out.events) == (410, "gone", [])
+    # A key erased while the state says otherwise (its erasure's transaction did not commit):
+    # the seal refuses, and the state does not move.
+    again, keys = PartitionState(), FakeKeys()
+    run(msg("register-customer", "customer", REGISTER), again, keys)
+    keys.erased.append("customer:a1")
+    out = run(msg("rename-customer", "customer", {"name": "Bo"}), again, keys)
+    assert (out.status, out.events, again.aggregates[("customer", "a1")].version) == (410, [], 1)
 
 
 def test_expired_command_is_refused_without_events() -> None:

@@ -13,6 +13,7 @@ from kafka import TopicPartition
 from app import hub as hub_module
 from app.hub import SLOW_CLOSE, Client, Hub, Subscription, Unservable
 from cdc.changes import Change, Snapshot, WalPosition, record_for, widen
+from events.base import ERASED
 
 
 def _hub(replay: int = 100) -> Hub:
@@ -61,6 +62,20 @@ def test_resends_are_dropped_and_history_serves_since() -> None:
     assert [m["position"] for m in _taken(client)] == ["4.1", "5.1"]
     with pytest.raises(Unservable):  # 1 and 2 were pushed out of the 3-change history
         hub.subscribe(_sub(Client(100)), WalPosition(1, 1))
+
+
+def test_an_erasure_is_never_preceded_by_an_older_change_in_a_replay() -> None:
+    """Guarantee 27: older changes may hold an erased subject's fields in clear; a `since`
+    from before the erasure gets `resync` (then a snapshot), a later one the rest."""
+    hub, client = _hub(), Client(100)
+    hub._apply("orders", [_change(1, "o1", {"order_id": "o1", "customer_name": "Eve"})])
+    hub._apply("orders", [_change(2, "o2", {"order_id": "o2", "customer_name": "Bo"})])
+    hub._apply("orders", [_change(3, "o1", {"order_id": "o1", "customer_name": ERASED})])
+    hub._apply("orders", [_change(4, "o2", {"order_id": "o2", "customer_name": "Bob"})])
+    with pytest.raises(Unservable):
+        hub.subscribe(_sub(Client(100)), WalPosition(1, 1))
+    hub.subscribe(_sub(client), WalPosition(3, 1))
+    assert [m["position"] for m in _taken(client)] == ["4.1"]
 
 
 def test_snapshot_first_then_history_after_its_position_then_live() -> None:

@@ -35,7 +35,7 @@ HISTORIES = {
 @pytest.fixture
 def shop(refs):
     return (
-        refs.with_("customer", "c-1", Customer(name="Ann Lee", email="ann@example.com"))
+        refs.with_("customer", "c-1", Customer())
         .with_("book", "b-dune", DUNE)
         .with_("book", "b-emma", EMMA)
     )

@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from commands.book import AddBook, RepriceBook
-from commands.customer import ChangeCustomerEmail, RegisterCustomer, RenameCustomer
+from commands.customer import ChangeCustomerEmail, EraseCustomer, RegisterCustomer, RenameCustomer
 from commands.fields import Command, Name, Number
 from commands.order import CancelOrder, OrderLine, PayOrder, PlaceOrder, ShipOrder
 from commands.registry import AGGREGATES, COMMANDS, CommandSpec
@@ -238,6 +238,7 @@ SAMPLES = {
         RegisterCustomer("Ann Lee", "ann@example.com"),
     ),
     "rename-customer": ({"name": "Ann Park"}, RenameCustomer("Ann Park")),
+    "erase-customer": ({}, EraseCustomer()),
     "change-customer-email": (
         {"email": "ann@park.example"},
         ChangeCustomerEmail("ann@park.example"),

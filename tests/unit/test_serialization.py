@@ -5,7 +5,12 @@ import pytest
 
 from events.book import BookAdded, BookRepriced
 from events.catalog import EVENT_TYPES
-from events.customer import CustomerEmailChanged, CustomerRegistered, CustomerRenamed
+from events.customer import (
+    CustomerEmailChanged,
+    CustomerErased,
+    CustomerRegistered,
+    CustomerRenamed,
+)
 from events.order import OrderCancelled, OrderPaid, OrderPlaced, OrderShipped, PlacedLine
 from events.serialization import decode, dumps, encode, envelope_for
 from events.upcasting import UPCASTERS, UnknownSchemaVersion, upcast
@@ -41,6 +46,7 @@ SAMPLES = [
     ),
     OrderShipped(),
     OrderCancelled(reason="changed my mind"),
+    CustomerErased(),
 ]
 
 
