@@ -112,6 +112,8 @@ def post_command(name: str) -> Response:
     response.status_code = reply.status
     if reply.replay:
         response.headers["Idempotent-Replay"] = "true"
+    if reply.status == 503:  # the processor could not reach the subjects' keys (Postgres)
+        response.headers["Retry-After"] = str(current_app.config["RETRY_AFTER_S"])
     metrics.count(name, reply.status)
     return response
 

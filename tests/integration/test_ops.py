@@ -24,6 +24,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "register-customer": {"name": "Ann", "email": "ann@example.com"},
     "rename-customer": {"name": "Bea"},
     "change-customer-email": {"email": "bea@example.com"},
+    "erase-customer": {},
     "add-book": {"title": "Emma", "author": "Austen", "price_cents": 999, "royalty_rate": 0.1},
     "reprice-book": {"price_cents": 1099},
     "place-order": {"customer_id": "c-1", "lines": [{"book_id": "b-1", "quantity": 2}]},
@@ -72,7 +73,7 @@ def test_every_command_is_documented_with_its_data_schema(spec: dict[str, Any]) 
     for name, command in COMMANDS.items():
         post = spec["paths"][f"/commands/{name}"]["post"]
         assert post["requestBody"]["required"] is True
-        assert post["security"] == [{"bearer": ["commands:write"]}]
+        assert post["security"] == [{"bearer": [command.command_type.scope]}]
         schema = post["requestBody"]["content"]["application/json"]["schema"]
         ref = schema["properties"]["data"]["$ref"]
         assert ref == f"#/components/schemas/{command.schema.__name__}"
@@ -86,7 +87,7 @@ def test_every_command_is_documented_with_its_data_schema(spec: dict[str, Any]) 
         want = model.model_json_schema(ref_template="#/components/schemas/{model}")
         want.pop("$defs", None)
         assert data == want, name
-        statuses = {"201", "200", "400", "401", "403", "404", "409", "413", "415", "422"}
+        statuses = {"201", "200", "400", "401", "403", "404", "409", "410", "413", "415", "422"}
         assert statuses | {"503", "504"} <= set(post["responses"]), name
 
 
@@ -117,7 +118,11 @@ def test_the_document_requires_aggregate_id_where_the_api_does(
     client: FlaskClient, spec: dict[str, Any], name: str
 ) -> None:
     body = {"data": EXAMPLES[name]}
-    r = client.post(f"/commands/{name}", json=body, headers=WRITER)
+    scope = COMMANDS[name].command_type.scope  # `erase-customer`: admin
+    r = client.post(
+        f"/commands/{name}", json=body, headers={"Authorization": f"Bearer {token(scope)}"}
+    )
+    assert spec["paths"][f"/commands/{name}"]["post"]["security"] == [{"bearer": [scope]}]
     assert r.status_code == 422
     assert {"field": "aggregate_id", "problem": f"required for {name}"} in r.json["error"][
         "details"
@@ -261,3 +266,10 @@ def test_metrics_show_component_health_after_a_check(client: FlaskClient) -> Non
         assert values[("logfold_component_up", frozenset({("component", component)}))] == 1.0
     lag = ("logfold_component_lag_events", frozenset({("component", "command_processing")}))
     assert values[lag] >= 0
+
+
+def test_erasing_a_customer_needs_the_admin_scope(client: FlaskClient) -> None:
+    r = client.post(
+        "/commands/erase-customer", json={"aggregate_id": "c-1", "data": {}}, headers=WRITER
+    )
+    assert r.status_code == 403 and "'admin'" in r.json["error"]["message"]

@@ -16,7 +16,7 @@ from events.customer import CustomerRegistered
 from events.partitioning import partition_for
 from events.store import read_events, read_to_end
 from events.upcasting import UnknownSchemaVersion
-from tests.support import new_deployment, token
+from tests.support import log_of, new_deployment, token
 
 
 def v1_customer_registered(aggregate_id: str, schema_version: int = 1) -> dict[str, Any]:
@@ -89,7 +89,7 @@ def test_old_and_new_records_read_back_in_one_shape(
     current = r.json["aggregate_id"]
 
     topic = Topics(deployment.topic_prefix).events("customer")
-    events = {e.aggregate_id: e for e in read_events(deployment.kafka(), topic)}
+    events = {e.aggregate_id: e for e in log_of(deployment, "customer")}  # opened
     assert (events[legacy].schema_version, events[current].schema_version) == (2, 2)
     assert set(events[legacy].data) == set(events[current].data) == {"name", "email"}
     assert events[current].data["name"] == "Ada Lovelace"

@@ -24,3 +24,17 @@ def test_clear_values_and_others_pass_as_they_are() -> None:
     for value in ("Ada", None, 3, ""):
         assert not is_sealed(value)
         assert open_value(None, "customer:c1", value) == value
+
+
+def test_a_key_store_out_of_reach_refuses_to_seal_as_unavailable() -> None:
+    """The processor then answers 503 and writes nothing (commands/handling.py's STATUS)."""
+    import pytest
+
+    from commands.errors import Rejected
+    from commands.keys import KeyStore
+    from stack.procs import free_port
+
+    store = KeyStore(f"postgresql://nobody@127.0.0.1:{free_port()}/none")
+    with pytest.raises(Rejected) as refused:
+        store.seal("customer:c1", {"name": "Ada"}, ("name",))
+    assert refused.value.code == "unavailable"
