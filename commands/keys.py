@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -20,6 +21,7 @@ from projections import metadata
 log = logging.getLogger(__name__)
 
 CACHED = 100_000  # subjects' keys a processor keeps in memory
+BACKOFF_S = 1.0  # after the store was found out of reach
 
 # Only the processors (the tables' owner) read and write it: the API's login has no grant.
 subject_keys = Table(
@@ -43,6 +45,7 @@ class KeyStore:
         self._conn: psycopg.Connection[Any] | None = None
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._lock = threading.Lock()
+        self._down_until = 0.0  # (monotonic) refusing at once until then
 
     def seal(self, subject_: str, data: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
         key = self._key(subject_)
@@ -83,6 +86,11 @@ class KeyStore:
             return key
 
     def _execute(self, query: str, params: tuple[Any, ...]) -> Any:
+        """One statement, on a connection made again once if it broke. Out of reach, the
+        store refuses at once for `BACKOFF_S` (the partition's other commands do not wait on
+        a connect timeout each)."""
+        if time.monotonic() < self._down_until:
+            raise _unavailable()
         for attempt in (1, 2):
             try:
                 if self._conn is None or self._conn.closed:
@@ -93,13 +101,17 @@ class KeyStore:
                 self.close()
                 if attempt == 2:
                     log.warning("the key store is unreachable: %s", e)
-                    raise Rejected(
-                        "unavailable",
-                        "the key store (Postgres) is unreachable; nothing was written, retry",
-                    ) from e
+                    self._down_until = time.monotonic() + BACKOFF_S
+                    raise _unavailable() from e
         raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def _unavailable() -> Rejected:
+    return Rejected(
+        "unavailable", "the key store (Postgres) is unreachable; nothing was written, retry"
+    )

@@ -346,7 +346,7 @@ def where_versions_are(settings: Settings, log: list[Any]) -> list[str]:
 def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
     """Every command with a key got a `201` (or its replay) and is in the log once; one without
     is in the log once if answered `201`, never if answered `503` or a `4xx`, at most once if
-    answered `504` or not at all (API.md); the versions of the run's customers stay dense.
+    answered `504`, `502` (`node_lost`) or not at all (API.md); the versions of the run's customers stay dense.
     Returns the answers counted."""
     everything = log_of(settings, "customer")
     ours = {e.aggregate_id for e in everything if e.data.get("email", "").startswith(f"{run}-")}
@@ -363,7 +363,8 @@ def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
         status = final.status if final is not None else None
         if status in (200, 201):
             allowed = (1, 1)
-        elif status in (None, 504):  # no outcome: applied or not, never twice
+        elif status in (None, 502, 504):  # no outcome: applied or not, never twice
+            # (502: the balancer's `node_lost`, the node died before it answered: API.md)
             allowed = (0, 1)
         else:  # 503 (nothing written), a 4xx
             allowed = (0, 0)

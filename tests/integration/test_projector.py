@@ -8,7 +8,6 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -246,7 +245,7 @@ def test_rebuild_all_verify_while_commands_flow(
 
 
 def test_a_rebuild_before_any_projector_ran_fills_the_views_and_counts_each_event_once(
-    base_settings: Settings, tmp_path: Path
+    base_settings: Settings, spark: Any
 ) -> None:
     """With no projector ever run, the rebuilt views replace empty live ones whole (the log is
     not applied to them first): views and progress must come out as the projector's would, so
@@ -256,6 +255,8 @@ def test_a_rebuild_before_any_projector_ran_fills_the_views_and_counts_each_even
     from events.book import BookAdded
     from events.customer import CustomerRegistered
     from events.order import OrderPaid, OrderPlaced, PlacedLine
+    from spark.projector import Projector
+    from spark.rebuild import Rebuild
 
     settings = new_deployment(base_settings)
     now = datetime.now(UTC)
@@ -286,15 +287,16 @@ def test_a_rebuild_before_any_projector_ran_fills_the_views_and_counts_each_even
     append_events(settings, "book", "b-1", (1, book, at(now)))
     order(1, now)
     order(2, now - timedelta(hours=3))  # paid past the watermark: late for sales_by_hour
-    out = cli(settings, "rebuild", "--all")
-    assert out.returncode == 0, out.stdout + out.stderr
+    # In this process, with the module's Spark (`logfold rebuild --all` runs the same, from
+    # the command line, in test_rebuild_all_verify_while_commands_flow).
+    Rebuild(settings, spark).run_many(list(PROJECTIONS.values()), progress=False)
     assert differences(settings) == {}
     counted = progress()
     assert {p: counted[p][0] for p in PROJECTIONS} == events_in_log()
     assert counted["sales_by_hour"] == (4, 1)
 
-    procs = Processes(settings, tmp_path)
-    procs.projector()
+    projector = Projector(settings, spark, projections=tuple(PROJECTIONS.values()), joins=())
+    query = projector.start("events")
     try:
         order(3, now)
         caught_up(settings, timeout=180)
@@ -302,7 +304,7 @@ def test_a_rebuild_before_any_projector_ran_fills_the_views_and_counts_each_even
         assert {p: n for p, (n, _) in progress().items() if p in PROJECTIONS} == events_in_log()
         assert progress()["sales_by_hour"] == (6, 1)
     finally:
-        procs.stop()
+        query.stop()
 
 
 def test_a_shadow_merged_from_the_whole_log_keeps_its_keys_and_gets_its_indexes_back(
