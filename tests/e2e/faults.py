@@ -346,8 +346,8 @@ def where_versions_are(settings: Settings, log: list[Any]) -> list[str]:
 def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
     """Every command with a key got a `201` (or its replay) and is in the log once; one without
     is in the log once if answered `201`, never if answered `503` or a `4xx`, at most once if
-    answered `504`, `502` (`node_lost`) or not at all (API.md); the versions of the run's customers stay dense.
-    Returns the answers counted."""
+    answered `504`, `502` (`node_lost`) or not at all (API.md); the versions of the run's
+    customers stay dense. Returns the answers counted."""
     everything = log_of(settings, "customer")
     ours = {e.aggregate_id for e in everything if e.data.get("email", "").startswith(f"{run}-")}
     log = [e for e in everything if e.aggregate_id in ours]
