@@ -393,6 +393,7 @@ class Follower:
         self.earlier: list[dict[str, Any]] = []
         self.resumed = 0
         self.client = self._connect(None)
+        self._taken: WsClient | None = None  # a closed connection whose messages are earlier's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -406,16 +407,22 @@ class Follower:
         while not self._stop.wait(0.1):
             if self.client.close_code is None:
                 continue
+            # The closed connection's messages, taken once (however many tries the next
+            # connection takes).
             self.earlier += self.client.of("s")
+            self._taken = self.client
             since = next((m["position"] for m in reversed(self.earlier) if "position" in m), None)
-            try:
-                self.client = self._connect(since)
-                self.resumed += 1
-            except (websocket.WebSocketException, OSError):
-                continue  # the balancer has no node up this instant: again at the next tick
+            while not self._stop.is_set():
+                try:
+                    self.client = self._connect(since)
+                    self.resumed += 1
+                    break
+                except (websocket.WebSocketException, OSError):
+                    self._stop.wait(0.1)  # the balancer has no node up this instant
 
     def messages(self) -> list[dict[str, Any]]:
-        return self.earlier + self.client.of("s")
+        client = self.client
+        return self.earlier + (client.of("s") if client is not self._taken else [])
 
     def close(self) -> None:
         self._stop.set()

@@ -21,7 +21,9 @@ import requests
 from events.serialization import Envelope
 from tests.support import HttpApi, token
 
-RETRYABLE = {None, 503, 504}  # None: no HTTP answer at all (refused, reset, timed out)
+# No answer at all (refused, reset, timed out), or none that says what happened: API.md says
+# to send these again with the same Idempotency-Key (502: the balancer lost the node).
+RETRYABLE = {None, 502, 503, 504}
 
 
 @dataclass
