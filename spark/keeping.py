@@ -26,6 +26,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from projections.base import Offsets
+from spark.sink import copy_stream_ids
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,7 @@ def keep(url: str, projection: str, tables: list[str], streams: bool) -> Kept | 
             for table, copy in copies.items():
                 conn.execute(f"CREATE TABLE {copy} AS TABLE {table}")
             if streams:
-                conn.execute(
-                    "INSERT INTO stream_ids (fold, id, first_at) "
-                    "SELECT %s, id, first_at FROM stream_ids WHERE fold = %s",
-                    (stream_fold(projection, version), projection),
-                )
+                copy_stream_ids(conn, projection, stream_fold(projection, version))
             kept_at = conn.execute(
                 "INSERT INTO kept_versions (projection, version, offsets, tables, skipped_events) "
                 "VALUES (%s, %s, %s, %s, %s) RETURNING kept_at",

@@ -69,6 +69,7 @@ from spark.parking import Excluded, excluded, without_excluded
 from spark.sink import (
     apply_events,
     bulk_load,
+    copy_stream_ids,
     drop_indexes,
     live_version,
     lock_progress,
@@ -335,10 +336,10 @@ class Rebuild:
                     f"INSERT INTO {table}{SHADOW} ({columns}) SELECT {columns} FROM {copy}"
                 )
             if projection.streams:
-                conn.execute(
-                    "INSERT INTO stream_ids (fold, id, first_at) "
-                    "SELECT %s, id, first_at FROM stream_ids WHERE fold = %s",
-                    (projection.name + SHADOW, keeping.stream_fold(projection.name, kept.version)),
+                copy_stream_ids(
+                    conn,
+                    keeping.stream_fold(projection.name, kept.version),
+                    projection.name + SHADOW,
                 )
         t0 = time.monotonic()
         report = self._keeping(
