@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,12 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
     from spark.session import session
 
     with Stack() as settings:
-        written = write_log(settings, args.events)
-        results: dict[str, Any] = {"benchmark": "rebuild", "events_in_log": written}
+        written = write_log(settings, args.events, span=timedelta(days=args.days))
+        results: dict[str, Any] = {
+            "benchmark": "rebuild",
+            "events_in_log": written,
+            "log_span_days": args.days,
+        }
         # First as a user runs it: `logfold rebuild --all` in a new process (its JVM cold),
         # from the command to its exit; then the warm figures, in this process.
         own = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}

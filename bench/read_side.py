@@ -132,6 +132,12 @@ def main() -> None:
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument(
+        "--days",
+        type=float,
+        default=0,
+        help="the events occur evenly over this many days up to now (default: as written)",
+    )
     rw = sub.add_parser(
         "rebuild-workers", help="the rebuild on a Spark standalone cluster, 1 worker against 2"
     )

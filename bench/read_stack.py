@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -297,10 +297,15 @@ def open_loop(
     }
 
 
-def write_log(settings: Settings, events: int, seed: int = 3) -> int:
+def write_log(
+    settings: Settings, events: int, seed: int = 3, span: timedelta = timedelta(0)
+) -> int:
     """A bookshop log: 5% customers, 1% books, then orders placed and (70%) paid, each event
-    occurring as it is written (as the API writes them: none is late for a watermark)."""
+    occurring as it is written (as the API writes them: none is late for a watermark). With a
+    `span`, the events occur evenly over that time up to now, each appended as it occurs (its
+    record's time is its event time), as a shop's log of that long would be."""
     rng = random.Random(seed)
+    start = datetime.now(UTC) - span
     topics = Topics(settings.topic_prefix)
     producer = KafkaProducer(
         bootstrap_servers=settings.kafka(),
@@ -314,13 +319,14 @@ def write_log(settings: Settings, events: int, seed: int = 3) -> int:
 
     def send(agg: str, agg_id: str, version: int, event: Any) -> None:
         nonlocal written
+        at = start + span * (written / events) if span else datetime.now(UTC)
         env = envelope_for(
             event,
             event_id=str(uuid.uuid4()),
             aggregate_type=agg,
             aggregate_id=agg_id,
             version=version,
-            occurred_at=datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            occurred_at=at.isoformat().replace("+00:00", "Z"),
             command_id="bench",
             correlation_id="bench",
             causation_id="bench",
@@ -330,6 +336,7 @@ def write_log(settings: Settings, events: int, seed: int = 3) -> int:
             key=f"{agg_id}:{version}".encode(),
             value=encode(env),
             partition=partition_for(agg_id, settings.partitions),
+            timestamp_ms=int(at.timestamp() * 1000) if span else None,
         )
         written += 1
 

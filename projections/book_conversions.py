@@ -24,7 +24,7 @@ from projections import metadata
 from projections.base import Output, Projection
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column
+    from pyspark.sql import Column, DataFrame
 
     from projections.base.rows import Rows
 
@@ -213,6 +213,38 @@ WHERE t.book_id = c.book_id AND t.day = c.day""",
             f"DELETE FROM {views} "
             f"WHERE at < {newest} - {_seconds(self.lateness + self.within + MARGIN)}",
         ]
+
+    def whole_log_rows(self, staged: DataFrame, every: DataFrame) -> DataFrame:
+        """The views, the orders the prune keeps (those within `lateness` of the newest row
+        staged: the newest of all is no older, so no fewer are kept), and the older orders that
+        some view matches. The other orders change nothing: no view converts by them and the
+        prune drops them. A log of orders without page views then stages only its last hours."""
+        from pyspark.sql import functions as F
+
+        at = F.unix_micros(F.col("at"))
+        (newest,) = staged.agg(F.max(at)).first() or (None,)
+        if newest is None:
+            return staged
+        old = (F.col("kind") == "order") & (at < newest - _micros(self.lateness + MARGIN))
+        kept = staged.where(~F.coalesce(old, F.lit(False)))
+        views = every.where(F.col("kind") == "view").select(
+            F.col("customer_id").alias("v_customer"),
+            F.col("book_id").alias("v_book"),
+            F.unix_micros(F.col("at")).alias("v_at"),
+        )
+        if views.isEmpty():
+            return kept
+        matches = (
+            (F.col("customer_id") == F.col("v_customer"))
+            & (F.col("book_id") == F.col("v_book"))
+            & (at >= F.col("v_at"))
+            & (at <= F.col("v_at") + _micros(self.within))
+        )
+        return kept.unionByName(staged.where(old).join(views, matches, "left_semi"))
+
+
+def _micros(d: timedelta) -> int:
+    return d // timedelta(microseconds=1)
 
 
 BATCH = "conversion_batch"

@@ -150,6 +150,7 @@ def merge_staged(
     events: DataFrame,
     suffix: str,
     empty: bool = False,
+    every: DataFrame | None = None,
 ) -> int:
     """Merge the rows of `events` into `output` (one that stages its rows: `Output.staged`)
     through a table they are COPYed into first; returns how many rows were merged. The table
@@ -158,12 +159,16 @@ def merge_staged(
 
     `empty`: `output`'s tables (+ `suffix`) are empty, new ones (a rebuild's shadows). Their
     keys are then dropped for the merge and built once after it, in the same transaction:
-    building a key from a million rows costs a fraction of looking each row up in it."""
+    building a key from a million rows costs a fraction of looking each row up in it. With
+    `every` (every record of the whole log the rebuild reads), only the rows that can change
+    the result are staged (`Output.whole_log_rows`)."""
     staged = f"{output.name}_staged{suffix}"
     with psycopg.connect(database, autocommit=True) as setup:
         setup.execute(f"DROP TABLE IF EXISTS {staged}")
         setup.execute(f"CREATE UNLOGGED TABLE {staged} ({output.staged})")
     rows = rows_frame(output, events)
+    if empty and every is not None:
+        rows = output.whole_log_rows(rows, rows_frame(output, every))
     n = bulk_load(database, rows, staged, tuple(rows.columns), output.personal)
     if n:
         tables = [output.name + suffix, *(f"{s.name}{suffix}" for s in output.state)]

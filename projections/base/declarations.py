@@ -36,6 +36,8 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
     from config.topics import Topics
 
 Merge = Literal["latest", "sum"]
@@ -154,6 +156,14 @@ class Output(View):
         after all of a batch's rows are merged (a large batch is merged in several runs of
         `merge_statements`, in log order per partition, not in time order across them)."""
         return []
+
+    def whole_log_rows(self, staged: DataFrame, every: DataFrame) -> DataFrame:
+        """Of the rows a rebuild stages from the whole log (`staged`, a Spark DataFrame of the
+        events on time, merged at once into empty tables by `merge_staged_statements`), those
+        that can change the tables left after `prune_statements`; `every` holds the rows of
+        every record the rebuild reads (merged that way or another: stream records, late
+        ones). A rebuild then folds and copies only those. All of them by default."""
+        return staged
 
     def merge_sql(self, target: str, rows: str) -> str:
         """Merge a batch's rows (`rows`: the name of a JSON array parameter, one object per

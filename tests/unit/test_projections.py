@@ -284,3 +284,63 @@ def test_a_whole_logs_rows_are_each_events_rows_and_run_without_lambdas(
             assert rows(frame) == rows(each), output.name
             checked += bool(rows(frame))
     assert checked >= 9  # every output that rows from these events does
+
+
+def test_a_rebuild_stages_only_the_orders_a_conversion_or_the_prune_keeps(
+    spark: SparkSession,
+) -> None:
+    """`book_conversions` keeps an order for the watermark's hours after the newest record: a
+    rebuild of a long log stages the recent orders and the older ones some view matches, and
+    what the merge and its prune leave is what it leaves with every order staged."""
+    from projections.book_conversions import LATENESS, MARGIN, WITHIN, conversions
+
+    newest = T0 + timedelta(days=30)
+    horizon = newest - LATENESS - MARGIN
+    old = newest - timedelta(days=2)
+
+    def row(kind: str, id_: str, customer: str, book: str, at: datetime) -> tuple[Any, ...]:
+        return (kind, id_, customer, book, at.replace(tzinfo=None))
+
+    orders = [
+        row("order", "recent", "ann", "dune", newest),
+        row("order", "at-horizon", "ann", "dune", horizon),
+        row("order", "before-horizon", "ann", "dune", horizon - timedelta(seconds=1)),
+        row("order", "matched", "bob", "dune", old),
+        row("order", "matched-at-bound", "bob", "emma", old + WITHIN),
+        row("order", "viewed-after", "cat", "dune", old),
+        row("order", "other-book", "dan", "emma", old),
+        row("order", "other-customer", "eve", "dune", old),
+        row("order", "too-late", "fay", "dune", old + WITHIN + timedelta(seconds=1)),
+    ]
+    views = [
+        row("view", "v-bob", "bob", "dune", old - timedelta(minutes=30)),
+        row("view", "v-bob-emma", "bob", "emma", old),
+        row("view", "v-cat", "cat", "dune", old + timedelta(seconds=1)),
+        row("view", "v-dan", "dan", "dune", old),
+        row("view", "v-ann", "ann", "dune", old),
+        row("view", "v-fay", "fay", "dune", old),
+    ]
+    schema = "kind string, id string, customer_id string, book_id string, at timestamp"
+    staged = spark.createDataFrame(orders, schema)
+    every = spark.createDataFrame(orders + views, schema)
+
+    def outcome(staged_orders: list[tuple[Any, ...]]) -> tuple[set[str], set[str]]:
+        """The views converted and the orders the prune keeps, as the merge leaves them."""
+        converted = {
+            v[1]
+            for v in views
+            for o in staged_orders
+            if (o[2], o[3]) == (v[2], v[3]) and v[4] <= o[4] <= v[4] + WITHIN
+        }
+        last = max(r[4] for r in staged_orders + views)
+        kept = {o[1] for o in staged_orders if o[4] >= last - LATENESS - MARGIN}
+        return converted, kept
+
+    narrowed = [tuple(r) for r in conversions.whole_log_rows(staged, every).collect()]
+    assert {r[1] for r in narrowed} == {"recent", "at-horizon", "matched", "matched-at-bound"}
+    assert (
+        outcome(narrowed) == outcome(orders) == ({"v-bob", "v-bob-emma"}, {"recent", "at-horizon"})
+    )
+    # Without a view, only the prune's hours.
+    alone = conversions.whole_log_rows(staged, staged).collect()
+    assert {r["id"] for r in alone} == {"recent", "at-horizon"}
