@@ -222,10 +222,11 @@ WHERE t.book_id = c.book_id AND t.day = c.day""",
         from pyspark.sql import functions as F
 
         at = F.unix_micros(F.col("at"))
-        (newest,) = staged.agg(F.max(at)).first() or (None,)
-        if newest is None:
+        newest, oldest = staged.agg(F.max(at), F.min(at)).first() or (None, None)
+        cutoff = None if newest is None else newest - _micros(self.lateness + MARGIN)
+        if cutoff is None or oldest >= cutoff:  # the prune keeps every row staged
             return staged
-        old = (F.col("kind") == "order") & (at < newest - _micros(self.lateness + MARGIN))
+        old = (F.col("kind") == "order") & (at < cutoff)
         kept = staged.where(~F.coalesce(old, F.lit(False)))
         views = every.where(F.col("kind") == "view").select(
             F.col("customer_id").alias("v_customer"),

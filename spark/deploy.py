@@ -42,7 +42,8 @@ from config.settings import Settings
 from projections.base import Projection, versions
 from spark import keeping
 from spark.event_rows import first_line
-from spark.rebuild import Rebuild, Report
+from spark.rebuild import Rebuild
+from spark.shadows import Report
 from spark.sink import ensure_progress, live_version
 
 log = logging.getLogger(__name__)

@@ -47,8 +47,8 @@ from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
 from spark.event_pipeline import RealtimeMode, Running, failures_after, realtime_refusal
 from spark.gaps import Gaps, check_gaps, skipped
-from spark.rebuild import SHADOW, Report, differences
 from spark.session import BatchPlanning, full_planning, idle_poll
+from spark.shadows import SHADOW, Report, differences
 from spark.sink import (
     Reconnecting,
     bulk_load,

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import IO, Any
 
 import psycopg
@@ -39,7 +38,7 @@ from tqdm import tqdm
 
 from config.settings import Settings
 from config.topics import Topics
-from projections.base import Offsets, Output, Projection, versions
+from projections.base import Output, Projection, versions
 from projections.base.rows import fold
 from spark import keeping
 from spark.decode import (
@@ -50,22 +49,16 @@ from spark.decode import (
     read_batch,
     upcast,
 )
-from spark.event_rows import (
-    AGGREGATE,
-    CURRENT,
-    LOG_US,
-    POSITION,
-    TOPIC,
-    arrow_rows,
-    keep_ids,
-    merge_share,
-    merge_staged,
-    position,
-    rows_json,
-    share_of,
-    upcast_rows,
-)
 from spark.parking import Excluded, excluded, without_excluded
+from spark.replay import replay
+from spark.shadows import (
+    SHADOW,
+    Report,
+    common_columns,
+    count_rows,
+    differences,
+    shadowed_tables,
+)
 from spark.sink import (
     apply_events,
     bulk_load,
@@ -76,12 +69,10 @@ from spark.sink import (
     move_stream_ids,
     read_progress,
     replace_contents,
-    unapplied,
 )
 
 log = logging.getLogger(__name__)
 
-SHADOW = "__rebuild"
 CATCH_UP_ROUNDS, CATCH_UP_ENOUGH = 3, 2000  # offsets left for the final, locked step
 AT_ONCE = 2  # projections rebuilt at once (each loaded, then swapped)
 # Memory for the swap's row-for-row comparison (enough to hash a large view's rows instead
@@ -89,103 +80,6 @@ AT_ONCE = 2  # projections rebuilt at once (each loaded, then swapped)
 # shadow's indexes and keys after its load, and an empty state table's indexes after the swap
 # fills it.
 WORK_MEM = "256MB"
-
-
-def replay(
-    conn: psycopg.Connection[Any],
-    p: Projection,
-    events: DataFrame,
-    offsets: Offsets,
-    suffix: str,
-    settings: Settings,
-    empty: bool = False,
-) -> tuple[Offsets, int, int]:
-    """Merge the records of `events` (`every_event` of a batch read, or any frame with its
-    columns) after `offsets` into `p`'s tables (+ `suffix`) exactly as the live pipeline does.
-    Returns the new offsets, the number of records applied and of late records. The caller
-    commits. `empty`: those tables are empty, new ones (see `merge_staged`).
-
-    Made for whole logs (a rebuild): only stream records (counted once by id) travel to Python
-    whole; of the events, Spark counts them, their late ones and their offsets, and hands over
-    only the rows of those on time (in Arrow batches). Events at an older schema version send
-    every record through Python, where they are upcast in their place."""
-    topics = Topics(settings.topic_prefix)
-    columns = [rows_json(o).alias(o.name) for o in p.outputs]
-    reads = frozenset(p.reads(topics, settings.partitions))
-    streams = frozenset(topics.stream(s) for s in p.streams)
-    of_p = events.where(F.col("topic").isin(*p.topic_names(topics)))
-    mine = unapplied(of_p, offsets)
-    selected = mine.select(*position(), *columns)
-    late = F.lit(False)
-    if p.lateness is not None:
-        late = F.col("delay_us") > int(p.lateness.total_seconds() * 1e6)
-    # A record it cannot tell about goes to Python.
-    python = F.coalesce(
-        ~F.col("current") | F.col("topic").isin(*streams) | late.isNull(), F.lit(True)
-    )
-    rows = arrow_rows(selected.where(python))
-    if any(r[TOPIC] not in streams for r in rows):
-        # An event Python must see (to upcast it, or to tell whether it is late): then every
-        # record goes through Python, so that its rows keep their place in the log's order.
-        python = F.lit(True)
-        rows = arrow_rows(selected)
-        if any(not r[CURRENT] for r in rows):
-            rows = upcast_rows(mine, rows, columns)
-    counted = selected.where(~python)
-    passed = {
-        f"{r['topic']}:{r['partition']}": (
-            int(r["n"]),
-            int(r["first"]),
-            int(r["last"]),
-            int(r["late"]),
-        )
-        for r in counted.groupBy("topic", "partition")
-        .agg(
-            F.count("*").alias("n"),
-            F.min("offset").alias("first"),
-            F.max("offset").alias("last"),
-            F.count_if(late).alias("late"),
-        )
-        .collect()
-    }
-    share = share_of(p, reads, streams, rows, POSITION, offsets, passed)
-    if share is None:
-        return offsets, 0, 0
-    # Events that add no rows (`[]`) are left out here, not by Spark: a filter on the rows
-    # would have Spark work each event's rows out twice (in the filter and in the select).
-    handed = [o for o in p.outputs if o.staged is None]
-    found = counted.where(~late).select(*(o.name for o in handed)).toArrow()
-    for o in handed:  # in log order, as `share_of` lists the rows it is given
-        values = found.column(o.name).to_pylist()
-        share.rows[o.name] = [v for v in values if v is not None and v != "[]"] + share.rows[o.name]
-    # An output that stages its rows gets those of the events Spark counted by COPY (the rows
-    # of records Python saw follow as JSON, in `merge_share`).
-    on_time = mine.select("*", *position()[LOG_US:AGGREGATE]).where(~python & ~late)
-    for o in p.outputs:
-        if o.staged is not None:
-            merge_staged(
-                conn, settings.database(), o, on_time, suffix, empty, mine if empty else None
-            )
-    late_n = merge_share(conn, p, share, suffix, keep_ids(p, settings))
-    return share.after, share.count, late_n
-
-
-@dataclass
-class Report:
-    projection: str
-    events: int
-    seconds: float
-    rows: dict[str, int] = field(default_factory=dict)
-    differences: dict[str, list[Any]] | None = None  # with verify: rows only in old / new
-    # Left out, as the live view leaves them out (spark/parking.py): aggregates parked (from
-    # their first parked event on) and events skipped on purpose.
-    parked_aggregates: int = 0
-    skipped_events: int = 0
-    # The kept version (spark/keeping.py) it started from instead of the whole log, if any.
-    restored: str | None = None
-    # Seconds of each step: "read" (the shared read, whole), "load" (its shadows), "swap"
-    # (catch-up and swap).
-    steps: dict[str, float] = field(default_factory=dict)
 
 
 class Rebuild:
@@ -333,7 +227,7 @@ class Rebuild:
         self._create_shadows([projection], keyed=True)
         with psycopg.connect(self.url) as conn:
             for table, copy in kept.tables.items():
-                columns = ", ".join(_common_columns(conn, table + SHADOW, copy))
+                columns = ", ".join(common_columns(conn, table + SHADOW, copy))
                 conn.execute(
                     f"INSERT INTO {table}{SHADOW} ({columns}) SELECT {columns} FROM {copy}"
                 )
@@ -360,7 +254,9 @@ class Rebuild:
         `keep_versions` says to keep after it, swapped or not)."""
         if not self._changing(projection) or not self.settings.keep_versions:
             return swap()
-        keeping.keep(self.url, projection.name, _tables(projection), bool(projection.streams))
+        keeping.keep(
+            self.url, projection.name, shadowed_tables(projection), bool(projection.streams)
+        )
         try:
             return swap()
         finally:
@@ -388,7 +284,7 @@ class Rebuild:
             with psycopg.connect(self.url) as conn:
                 # Secondary indexes are built once after the whole log, not row by row
                 # during it (the merges of so large a batch join by hashing, not by them).
-                indexes = drop_indexes(conn, [f"{t}{SHADOW}" for t in _tables(p)])
+                indexes = drop_indexes(conn, [f"{t}{SHADOW}" for t in shadowed_tables(p)])
                 conn.commit()
                 with conn.transaction():
                     # The shadows are new: their keys are built after the first merge.
@@ -412,7 +308,7 @@ class Rebuild:
                 # database crash empties them, and a rebuild starts them anew). Bulk-loaded ones
                 # get their key after the load, and need no other index.
                 like = "INCLUDING ALL" if p.replayed or keyed else "INCLUDING DEFAULTS"
-                for table in _tables(p):
+                for table in shadowed_tables(p):
                     conn.execute(f"DROP TABLE IF EXISTS {table}{SHADOW}")
                     conn.execute(f"CREATE UNLOGGED TABLE {table}{SHADOW} (LIKE {table} {like})")
                 conn.execute("DELETE FROM stream_ids WHERE fold = %s", (p.name + SHADOW,))
@@ -453,7 +349,7 @@ class Rebuild:
     def _late_rows(self, projection: Projection) -> int:
         """The late events in `projection`'s shadows (each is one row of a late output)."""
         with psycopg.connect(self.url) as conn:
-            return sum(_count(conn, o.name + SHADOW) for o in projection.outputs if o.late)
+            return sum(count_rows(conn, o.name + SHADOW) for o in projection.outputs if o.late)
 
     def _swap(
         self,
@@ -516,7 +412,7 @@ class Rebuild:
                 t = output.name
                 replace_contents(conn, t, t + SHADOW, output.key, output.columns)
                 conn.execute(f"DROP TABLE {t}{SHADOW}")
-                report.rows[t] = _count(conn, t)
+                report.rows[t] = count_rows(conn, t)
                 for state in output.state:
                     key = tuple(str(c.name) for c in state.primary_key.columns)
                     columns = tuple(str(c.name) for c in state.columns)
@@ -555,40 +451,6 @@ def _survey(records: DataFrame) -> tuple[dict[str, int], dict[str, int], int]:
         counts[r["topic"]] = counts.get(r["topic"], 0) + int(r["n"])
     seen = {f"{r['topic']}:{r['partition']}": int(r["last"]) for r in rows}
     return seen, counts, sum(int(r["old"]) for r in rows)
-
-
-def _common_columns(conn: psycopg.Connection[Any], table: str, other: str) -> list[str]:
-    """The columns `table` and `other` both have (a kept copy may predate a column a
-    migration added since, or have one since dropped)."""
-    rows = conn.execute(
-        "SELECT a.attname FROM pg_attribute a JOIN pg_attribute b "
-        "ON b.attrelid = %s::regclass AND b.attname = a.attname "
-        "AND b.attnum > 0 AND NOT b.attisdropped "
-        "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped "
-        "ORDER BY a.attnum",
-        (other, table),
-    ).fetchall()
-    return [str(r[0]) for r in rows]
-
-
-def _count(conn: psycopg.Connection[Any], table: str) -> int:
-    return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # type: ignore[index]
-
-
-def _tables(projection: Projection) -> list[str]:
-    """The tables a rebuild of `projection` fills in shadows: its outputs and their state."""
-    return [t for o in projection.outputs for t in (o.name, *(str(s.name) for s in o.state))]
-
-
-def differences(conn: psycopg.Connection[Any], live: str, rebuilt: str, columns: str) -> list[Any]:
-    """Rows only in `live` or only in `rebuilt` (as multisets), at most 1000."""
-    rows = conn.execute(
-        f"(SELECT 'only_in_live' AS side, {columns} FROM {live} EXCEPT ALL "
-        f" SELECT 'only_in_live', {columns} FROM {rebuilt}) UNION ALL "
-        f"(SELECT 'only_in_rebuild', {columns} FROM {rebuilt} EXCEPT ALL "
-        f" SELECT 'only_in_rebuild', {columns} FROM {live}) LIMIT 1000"
-    ).fetchall()
-    return [tuple(r) for r in rows]
 
 
 def _differences(conn: psycopg.Connection[Any], output: Output) -> list[Any]:

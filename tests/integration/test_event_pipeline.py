@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,6 @@ from tests.support import (
     cli_env,
     health_component,
     new_deployment,
-    projector_session,
     send_again,
     token,
     topic_records,
@@ -84,13 +82,6 @@ def customers_with(rows: Any, version: str | None = "same") -> Projection:
 
 
 BROKEN = customers_with(broken_rows)
-
-
-@pytest.fixture(scope="module")
-def spark(deployment: Settings) -> Iterator[Any]:
-    s = projector_session(deployment, "logfold-isolation-tests")
-    yield s
-    s.stop()
 
 
 def run_events(settings: Settings, spark: Any, projections: tuple[Projection, ...]) -> Any:

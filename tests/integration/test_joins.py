@@ -35,7 +35,6 @@ from tests.support import (
     cli,
     end_offset,
     fill_log,
-    projector_session,
     send_again,
     token,
     topic_records,
@@ -188,13 +187,6 @@ def settled(settings: Settings, oracle: Oracle, *joins: Join, timeout: float = 1
 
 
 # --- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def spark(deployment: Settings) -> Iterator[Any]:
-    s = projector_session(deployment, "logfold-join-tests")
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

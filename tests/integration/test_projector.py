@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +25,6 @@ from tests.support import (
     health_component,
     log_of,
     new_deployment,
-    projector_session,
     token,
 )
 from tests.workload import Workload
@@ -338,10 +336,3 @@ def row_counts(settings: Settings) -> dict[str, int]:
     views = ("customers", "books", "orders", "author_royalties", "sales_by_hour")
     with psycopg.connect(settings.database()) as conn:
         return {v: conn.execute(f"SELECT count(*) FROM {v}").fetchone()[0] for v in views}  # type: ignore[index]
-
-
-@pytest.fixture(scope="module")
-def spark(deployment: Settings) -> Iterator[Any]:
-    s = projector_session(deployment, "logfold-tests")
-    yield s
-    s.stop()

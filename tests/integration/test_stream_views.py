@@ -33,7 +33,6 @@ from tests import stream_oracle
 from tests.support import (
     Processes,
     append_events,
-    cli,
     health_component,
     new_deployment,
     token,
@@ -303,8 +302,11 @@ def payouts_caught_up(settings: Settings, orders: int) -> None:
 
 
 def test_a_payout_uses_the_profile_as_it_was_when_paid(
-    api: FlaskClient, procs: Processes, settings: Settings
+    api: FlaskClient, procs: Processes, settings: Settings, spark: Any
 ) -> None:
+    from projections import royalty_payouts
+    from spark.rebuild import Rebuild
+
     le_guin, nobody = f"Le Guin {uuid.uuid4().hex[:6]}", f"Nobody {uuid.uuid4().hex[:6]}"
     sql(
         settings,
@@ -342,9 +344,8 @@ def test_a_payout_uses_the_profile_as_it_was_when_paid(
         'logfold_view_rows{component="projection:royalty_payouts",count="payouts_without_account"}'
         " 2.0" in metrics
     )
-    out = cli(settings, "rebuild", "royalty_payouts", "--verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "verify royalty_payouts: identical to the live view" in out.stdout, out.stdout
+    (report,) = Rebuild(settings, spark).run_many([royalty_payouts.projection], verify=True)
+    assert report.differences == {"royalty_payouts": []}
     assert payout_accounts(settings) == accounts
 
 
@@ -422,15 +423,20 @@ def applied(settings: Settings) -> int:
 
 
 def test_rebuild_verify_finds_the_live_views_identical(
-    api: FlaskClient, procs: Processes, settings: Settings
+    api: FlaskClient, procs: Processes, settings: Settings, spark: Any
 ) -> None:
+    """A rebuild beside the live projector (in this process: `logfold rebuild --all --verify`
+    itself runs in tests/integration/test_projector.py)."""
+    from projections.registry import PROJECTIONS
+    from spark.rebuild import Rebuild
+
     gen = PageViews(seed=4)
     post(api, gen.batch(300))
     gen.orders(settings, 30)
     caught_up(settings)
-    out = cli(settings, "rebuild", *VIEWS, "--verify")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("identical to the live view") == len(VIEWS), out.stdout
+    reports = Rebuild(settings, spark).run_many([PROJECTIONS[v] for v in VIEWS], verify=True)
+    differences = {r.projection: r.differences for r in reports}
+    assert differences == {v: {v: []} for v in VIEWS}
     caught_up(settings)
     assert stream_oracle.differences(settings) == {}
     with psycopg.connect(settings.database()) as conn:
@@ -443,10 +449,13 @@ def test_rebuild_verify_finds_the_live_views_identical(
 
 
 def test_a_rebuild_before_any_projector_ran_counts_late_records_as_the_projector_does(
-    base_settings: Settings,
+    base_settings: Settings, spark: Any
 ) -> None:
     """With no projector ever run, the rebuilt views replace empty live ones whole, progress and
     counts included: the late records, which no table holds, must be counted all the same."""
+    from projections.registry import PROJECTIONS
+    from spark.rebuild import Rebuild
+
     own = new_deployment(base_settings)
     app = create_app(own)
     try:
@@ -456,8 +465,7 @@ def test_a_rebuild_before_any_projector_ran_counts_late_records_as_the_projector
         gen.orders(own, 10)
     finally:
         close_app(app)
-    out = cli(own, "rebuild", *VIEWS)
-    assert out.returncode == 0, out.stdout + out.stderr
+    Rebuild(own, spark).run_many([PROJECTIONS[v] for v in VIEWS], progress=False)
     assert stream_oracle.differences(own) == {}
     _, late = stream_oracle.expected(own)
     assert all(late.values())

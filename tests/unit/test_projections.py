@@ -344,3 +344,6 @@ def test_a_rebuild_stages_only_the_orders_a_conversion_or_the_prune_keeps(
     # Without a view, only the prune's hours.
     alone = conversions.whole_log_rows(staged, staged).collect()
     assert {r["id"] for r in alone} == {"recent", "at-horizon"}
+    # A log of less than the prune's hours: every row.
+    short = staged.where(F.col("at") >= horizon.replace(tzinfo=None))
+    assert conversions.whole_log_rows(short, every).count() == 2
