@@ -214,24 +214,35 @@ WHERE t.book_id = c.book_id AND t.day = c.day""",
             f"WHERE at < {newest} - {_seconds(self.lateness + self.within + MARGIN)}",
         ]
 
-    def whole_log_rows(self, staged: DataFrame, every: DataFrame) -> DataFrame:
+    def whole_log_rows(self, staged: DataFrame, records: DataFrame) -> DataFrame:
         """The views, the orders the prune keeps (those within `lateness` of the newest row
         staged: the newest of all is no older, so no fewer are kept), and the older orders that
         some view matches. The other orders change nothing: no view converts by them and the
-        prune drops them. A log of orders without page views then stages only its last hours."""
+        prune drops them. A log of orders without page views then stages only its last hours;
+        a log of fewer hours than the prune keeps, everything, without a look at the rows."""
         from pyspark.sql import functions as F
 
+        from projections.base.rows import rows_frame
+
+        horizon = _micros(self.lateness + MARGIN)
+        occurred = F.unix_micros(F.col("occurred_at"))
+        first, last = records.agg(F.min(occurred), F.max(occurred)).first() or (None, None)
+        if first is None or last - first <= horizon:  # a row's time is its record's
+            return staged
         at = F.unix_micros(F.col("at"))
         newest, oldest = staged.agg(F.max(at), F.min(at)).first() or (None, None)
-        cutoff = None if newest is None else newest - _micros(self.lateness + MARGIN)
-        if cutoff is None or oldest >= cutoff:  # the prune keeps every row staged
+        if newest is None or oldest >= newest - horizon:
             return staged
-        old = (F.col("kind") == "order") & (at < cutoff)
+        old = (F.col("kind") == "order") & (at < newest - horizon)
         kept = staged.where(~F.coalesce(old, F.lit(False)))
-        views = every.where(F.col("kind") == "view").select(
-            F.col("customer_id").alias("v_customer"),
-            F.col("book_id").alias("v_book"),
-            F.unix_micros(F.col("at")).alias("v_at"),
+        views = (
+            rows_frame(self, records)
+            .where(F.col("kind") == "view")
+            .select(
+                F.col("customer_id").alias("v_customer"),
+                F.col("book_id").alias("v_book"),
+                F.unix_micros(F.col("at")).alias("v_at"),
+            )
         )
         if views.isEmpty():
             return kept

@@ -161,14 +161,14 @@ def merge_staged(
     keys are then dropped for the merge and built once after it, in the same transaction:
     building a key from a million rows costs a fraction of looking each row up in it. With
     `every` (every record of the whole log the rebuild reads), only the rows that can change
-    the result are staged (`Output.whole_log_rows`)."""
+    the tables are staged (`Output.whole_log_rows`)."""
     staged = f"{output.name}_staged{suffix}"
     with psycopg.connect(database, autocommit=True) as setup:
         setup.execute(f"DROP TABLE IF EXISTS {staged}")
         setup.execute(f"CREATE UNLOGGED TABLE {staged} ({output.staged})")
     rows = rows_frame(output, events)
     if empty and every is not None:
-        rows = output.whole_log_rows(rows, rows_frame(output, every))
+        rows = output.whole_log_rows(rows, every)
     n = bulk_load(database, rows, staged, tuple(rows.columns), output.personal)
     if n:
         tables = [output.name + suffix, *(f"{s.name}{suffix}" for s in output.state)]

@@ -157,12 +157,12 @@ class Output(View):
         `merge_statements`, in log order per partition, not in time order across them)."""
         return []
 
-    def whole_log_rows(self, staged: DataFrame, every: DataFrame) -> DataFrame:
+    def whole_log_rows(self, staged: DataFrame, records: DataFrame) -> DataFrame:
         """Of the rows a rebuild stages from the whole log (`staged`, a Spark DataFrame of the
         events on time, merged at once into empty tables by `merge_staged_statements`), those
-        that can change the tables left after `prune_statements`; `every` holds the rows of
-        every record the rebuild reads (merged that way or another: stream records, late
-        ones). A rebuild then folds and copies only those. All of them by default."""
+        that can change the tables left after `prune_statements`; `records` holds every record
+        the rebuild reads (events and stream records, on time or late, with the columns of
+        `spark/decode.py`). A rebuild then copies only those. All of them by default."""
         return staged
 
     def merge_sql(self, target: str, rows: str) -> str:

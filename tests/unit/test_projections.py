@@ -292,58 +292,104 @@ def test_a_rebuild_stages_only_the_orders_a_conversion_or_the_prune_keeps(
     """`book_conversions` keeps an order for the watermark's hours after the newest record: a
     rebuild of a long log stages the recent orders and the older ones some view matches, and
     what the merge and its prune leave is what it leaves with every order staged."""
+    import json
+
+    from projections.base.rows import rows_frame
     from projections.book_conversions import LATENESS, MARGIN, WITHIN, conversions
 
     newest = T0 + timedelta(days=30)
     horizon = newest - LATENESS - MARGIN
     old = newest - timedelta(days=2)
+    orders = {  # order id: customer, book, time
+        "recent": ("ann", "dune", newest),
+        "at-horizon": ("ann", "dune", horizon),
+        "before-horizon": ("ann", "dune", horizon - timedelta(seconds=1)),
+        "matched": ("bob", "dune", old),
+        "matched-at-bound": ("bob", "emma", old + WITHIN),
+        "viewed-after": ("cat", "dune", old),
+        "other-book": ("dan", "emma", old),
+        "other-customer": ("eve", "dune", old),
+        "too-late": ("fay", "dune", old + WITHIN + timedelta(seconds=1)),
+    }
+    views = {  # view id: customer, book, time
+        "v-bob": ("bob", "dune", old - timedelta(minutes=30)),
+        "v-bob-emma": ("bob", "emma", old),
+        "v-cat": ("cat", "dune", old + timedelta(seconds=1)),
+        "v-dan": ("dan", "dune", old),
+        "v-ann": ("ann", "dune", old),
+        "v-fay": ("fay", "dune", old),
+    }
+    placed = log(
+        spark,
+        *(
+            ("order", oid, 1, OrderPlaced(c, (PlacedLine(b, 1, 100, "A", 0.1),), 100), 0)
+            for oid, (c, b, _) in orders.items()
+        ),
+    ).withColumn(  # each at its own time
+        "occurred_at",
+        F.create_map(*(x for o, (*_, t) in orders.items() for x in (F.lit(o), F.lit(naive_at(t)))))[
+            F.col("aggregate_id")
+        ],
+    )
+    viewed = data_fields(
+        spark.createDataFrame(
+            [
+                (
+                    "streams.page_views",
+                    0,
+                    n,
+                    naive_at(t),
+                    v,
+                    "page_views",
+                    "page_views",
+                    None,
+                    None,
+                    naive_at(t),
+                    json.dumps({"customer_id": c, "book_id": b}),
+                )
+                for n, (v, (c, b, t)) in enumerate(views.items())
+            ],
+            SCHEMA,
+        )
+    )
+    records = placed.unionByName(viewed)
+    # As a rebuild stages them: the rows of the events (stream records go their own way).
+    staged = rows_frame(conversions, placed)
 
-    def row(kind: str, id_: str, customer: str, book: str, at: datetime) -> tuple[Any, ...]:
-        return (kind, id_, customer, book, at.replace(tzinfo=None))
-
-    orders = [
-        row("order", "recent", "ann", "dune", newest),
-        row("order", "at-horizon", "ann", "dune", horizon),
-        row("order", "before-horizon", "ann", "dune", horizon - timedelta(seconds=1)),
-        row("order", "matched", "bob", "dune", old),
-        row("order", "matched-at-bound", "bob", "emma", old + WITHIN),
-        row("order", "viewed-after", "cat", "dune", old),
-        row("order", "other-book", "dan", "emma", old),
-        row("order", "other-customer", "eve", "dune", old),
-        row("order", "too-late", "fay", "dune", old + WITHIN + timedelta(seconds=1)),
-    ]
-    views = [
-        row("view", "v-bob", "bob", "dune", old - timedelta(minutes=30)),
-        row("view", "v-bob-emma", "bob", "emma", old),
-        row("view", "v-cat", "cat", "dune", old + timedelta(seconds=1)),
-        row("view", "v-dan", "dan", "dune", old),
-        row("view", "v-ann", "ann", "dune", old),
-        row("view", "v-fay", "fay", "dune", old),
-    ]
-    schema = "kind string, id string, customer_id string, book_id string, at timestamp"
-    staged = spark.createDataFrame(orders, schema)
-    every = spark.createDataFrame(orders + views, schema)
-
-    def outcome(staged_orders: list[tuple[Any, ...]]) -> tuple[set[str], set[str]]:
+    def outcome(staged_orders: set[str]) -> tuple[set[str], set[str]]:
         """The views converted and the orders the prune keeps, as the merge leaves them."""
         converted = {
-            v[1]
-            for v in views
+            v
+            for v, (vc, vb, vt) in views.items()
             for o in staged_orders
-            if (o[2], o[3]) == (v[2], v[3]) and v[4] <= o[4] <= v[4] + WITHIN
+            if orders[o][:2] == (vc, vb) and vt <= orders[o][2] <= vt + WITHIN
         }
-        last = max(r[4] for r in staged_orders + views)
-        kept = {o[1] for o in staged_orders if o[4] >= last - LATENESS - MARGIN}
+        last = max(t for *_, t in [*(orders[o] for o in staged_orders), *views.values()])
+        kept = {o for o in staged_orders if orders[o][2] >= last - LATENESS - MARGIN}
         return converted, kept
 
-    narrowed = [tuple(r) for r in conversions.whole_log_rows(staged, every).collect()]
-    assert {r[1] for r in narrowed} == {"recent", "at-horizon", "matched", "matched-at-bound"}
+    def ids(frame: DataFrame) -> set[str]:
+        return {r["id"] for r in frame.collect()}
+
+    narrowed = ids(conversions.whole_log_rows(staged, records))
+    assert narrowed == {"recent", "at-horizon", "matched", "matched-at-bound"}
     assert (
-        outcome(narrowed) == outcome(orders) == ({"v-bob", "v-bob-emma"}, {"recent", "at-horizon"})
+        outcome(narrowed)
+        == outcome(set(orders))
+        == (
+            {"v-bob", "v-bob-emma"},
+            {"recent", "at-horizon"},
+        )
     )
     # Without a view, only the prune's hours.
-    alone = conversions.whole_log_rows(staged, staged).collect()
-    assert {r["id"] for r in alone} == {"recent", "at-horizon"}
-    # A log of less than the prune's hours: every row.
-    short = staged.where(F.col("at") >= horizon.replace(tzinfo=None))
-    assert conversions.whole_log_rows(short, every).count() == 2
+    assert ids(conversions.whole_log_rows(staged, placed)) == {"recent", "at-horizon"}
+    # A log of fewer hours than the prune keeps: every row.
+    recent = F.col("occurred_at") >= naive_at(horizon)
+    short = conversions.whole_log_rows(
+        rows_frame(conversions, placed.where(recent)), records.where(recent)
+    )
+    assert ids(short) == {"recent", "at-horizon"}
+
+
+def naive_at(t: datetime) -> datetime:
+    return t.replace(tzinfo=None)
