@@ -61,6 +61,7 @@ from events.serialization import encode, envelope_for
 from events.store import committed_reader
 from stack.local_kafka import LocalKafka
 from stack.local_postgres import LocalPostgres
+from stack.migrate import upgrade
 from stack.procs import free_port
 from stack.topics import create_topics, topic_specs, wait_for_topics
 from tests.support import SECRET, HttpApi, Processes, token
@@ -93,6 +94,7 @@ def write_stack(
     pg = LocalPostgres(work / "pg", free_port())
     kafka.start()
     pg.start()
+    upgrade(pg.url)  # the processors keep their data subjects' keys in Postgres
     settings = Settings(
         kafka_bootstrap_servers=kafka.bootstrap,
         database_url=pg.url,
