@@ -159,9 +159,9 @@ def merge_staged(
 
     `empty`: `output`'s tables (+ `suffix`) are empty, new ones (a rebuild's shadows). Their
     keys are then dropped for the merge and built once after it, in the same transaction:
-    building a key from a million rows costs a fraction of looking each row up in it. With
-    `every` (every record of the whole log the rebuild reads), only the rows that can change
-    the tables are staged (`Output.whole_log_rows`)."""
+    building a key from a million rows costs a fraction of looking each row up in it, and with
+    `every` (the records `events` came from: the whole log, for empty tables) only the rows
+    that can change the tables are staged (`Output.whole_log_rows`)."""
     staged = f"{output.name}_staged{suffix}"
     with psycopg.connect(database, autocommit=True) as setup:
         setup.execute(f"DROP TABLE IF EXISTS {staged}")

@@ -26,11 +26,19 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from projections.base import Offsets
-from spark.sink import copy_stream_ids
 
 log = logging.getLogger(__name__)
 
 KEPT = "__kept_"
+
+
+def copy_stream_ids(conn: psycopg.Connection[Any], source: str, target: str) -> None:
+    """Add the ids `source` counted to those of `target` (a kept copy's, a shadow's)."""
+    conn.execute(
+        "INSERT INTO stream_ids (fold, id, first_at) "
+        "SELECT %s, id, first_at FROM stream_ids WHERE fold = %s",
+        (target, source),
+    )
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from spark.deploy import Deployer
 from spark.event_pipeline import EventPipeline, Running, realtime_partitions, realtime_slots
 from spark.event_rows import keep_ids
 from spark.join import JoinPipeline
-from spark.parking import Retrier
 from spark.realtime import RealTimeEvents, RealTimeJoins
+from spark.retrier import Retrier
 from spark.session import quiet_stop, session
 from spark.status import StatusBeat
 

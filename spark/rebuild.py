@@ -62,7 +62,6 @@ from spark.shadows import (
 from spark.sink import (
     apply_events,
     bulk_load,
-    copy_stream_ids,
     drop_indexes,
     live_version,
     lock_progress,
@@ -232,7 +231,7 @@ class Rebuild:
                     f"INSERT INTO {table}{SHADOW} ({columns}) SELECT {columns} FROM {copy}"
                 )
             if projection.streams:
-                copy_stream_ids(
+                keeping.copy_stream_ids(
                     conn,
                     keeping.stream_fold(projection.name, kept.version),
                     projection.name + SHADOW,

@@ -103,8 +103,6 @@ def replay(
     on_time = mine.select("*", *position()[LOG_US:AGGREGATE]).where(~python & ~late)
     for o in p.outputs:
         if o.staged is not None:
-            merge_staged(
-                conn, settings.database(), o, on_time, suffix, empty, mine if empty else None
-            )
+            merge_staged(conn, settings.database(), o, on_time, suffix, empty, mine)
     late_n = merge_share(conn, p, share, suffix, keep_ids(p, settings))
     return share.after, share.count, late_n

@@ -263,15 +263,6 @@ def move_stream_ids(conn: psycopg.Connection[Any], source: str, target: str) -> 
     conn.execute("UPDATE stream_ids SET fold = %s WHERE fold = %s", (target, source))
 
 
-def copy_stream_ids(conn: psycopg.Connection[Any], source: str, target: str) -> None:
-    """Add the ids `source` counted to those of `target` (a kept copy's, a shadow's)."""
-    conn.execute(
-        "INSERT INTO stream_ids (fold, id, first_at) "
-        "SELECT %s, id, first_at FROM stream_ids WHERE fold = %s",
-        (target, source),
-    )
-
-
 def _from_micros(micros: int) -> datetime:
     return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=micros)
 

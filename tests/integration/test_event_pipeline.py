@@ -380,7 +380,7 @@ def test_a_retry_that_crashes_between_chunks_loses_and_doubles_nothing(
     transaction: a crash in the middle of one (here after its rows are merged, before the
     commit, as a `kill -9` would leave it) keeps the chunks before it and none of it; the
     next retry goes on from there, and every event is applied once."""
-    from spark import parking
+    from spark import retrier
 
     deployment = new_deployment(base_settings)
     register(deployment, "Ada")
@@ -395,7 +395,7 @@ def test_a_retry_that_crashes_between_chunks_loses_and_doubles_nothing(
 
     projector = run_events(deployment, spark, (customers.projection,))
     try:
-        monkeypatch.setattr(parking, "CHUNK", 1)
+        monkeypatch.setattr(retrier, "CHUNK", 1)
         unpark, calls = dead_letters.unpark, []
 
         def crash_on_the_second(conn: Any, letters: Any) -> None:

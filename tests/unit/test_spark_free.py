@@ -1,4 +1,5 @@
-"""The API, CDC and migration processes never load Spark (issue 8, point 5).
+"""The API, CDC and migration processes, and the CLI's listings, never load Spark (issue 8,
+point 5).
 
 Each check runs in a fresh interpreter: this test process may already hold pyspark from other
 tests, and an import that happened elsewhere would hide the one we look for.
@@ -21,6 +22,10 @@ PROCESSES = {
         "import cdc.state, projections.base.progress, projections.registry, stack.migrate"
     ),
     "read model": "from projections.registry import FOLDS; [f.views for f in FOLDS.values()]",
+    # `logfold projections`: a listing, from Postgres alone.
+    "projections listing": (
+        "import app.read_model, projections.base.versions, projections.registry, spark.keeping"
+    ),
 }
 
 
