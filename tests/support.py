@@ -161,6 +161,28 @@ def served(settings: Settings) -> Iterator[tuple[str, Flask]]:
         close_app(app)
 
 
+@contextlib.contextmanager
+def servers(settings: Settings) -> Iterator[Callable[..., tuple[str, Flask]]]:
+    """`start(**overrides)` serves an API for `settings` with those overrides (as `served`):
+    its websocket URL and app. On exit every one started is stopped and closed, all at once:
+    one after another, the dozen a module starts cost it seconds each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    running: list[contextlib.AbstractContextManager[tuple[str, Flask]]] = []
+
+    def start(**overrides: Any) -> tuple[str, Flask]:
+        one = served(settings.model_copy(update=overrides))
+        started = one.__enter__()
+        running.append(one)
+        return started
+
+    try:
+        yield start
+    finally:
+        with ThreadPoolExecutor(max(len(running), 1)) as pool:
+            list(pool.map(lambda one: one.__exit__(None, None, None), running))
+
+
 def end_offset(settings: Settings, topic: str, partition: int = 0) -> int:
     """The end offset of one partition of `topic`, as it is now."""
     consumer = KafkaConsumer(bootstrap_servers=settings.kafka())

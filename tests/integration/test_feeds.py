@@ -7,7 +7,6 @@ As in test_live.py, changes are plain SQL updates of `customers` bumping a versi
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import uuid
@@ -29,7 +28,7 @@ from tests.changes import (
     versions_seen,
 )
 from tests.sse import SseClient
-from tests.support import served, token
+from tests.support import servers, token
 from tests.wsclient import fold
 
 pytestmark = pytest.mark.integration
@@ -40,15 +39,14 @@ Serve = Callable[..., tuple[str, Flask]]
 @pytest.fixture(scope="module")
 def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
     """Start an API (with its own settings overrides) on a free port; returns its base URL."""
-    with contextlib.ExitStack() as servers:
+    # Heartbeats often: a stream whose client went is seen (and let go) at its next write.
+    with servers(deployment.model_copy(update={"ws_heartbeat_s": 0.5})) as start:
 
-        def start(**overrides: Any) -> tuple[str, Flask]:
-            # Heartbeats often: a stream whose client went is seen (and let go) at its next write.
-            settings = deployment.model_copy(update={"ws_heartbeat_s": 0.5, **overrides})
-            ws_url, app = servers.enter_context(served(settings))
+        def serve_one(**overrides: Any) -> tuple[str, Flask]:
+            ws_url, app = start(**overrides)
             return ws_url.removesuffix("/ws").replace("ws://", "http://", 1), app
 
-        yield start
+        yield serve_one
 
 
 def _keys(n: int) -> tuple[list[str], str]:

@@ -6,7 +6,6 @@ a version bumped by one per update shows every gap and duplicate a client would 
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,13 +13,11 @@ from typing import Any
 import psycopg
 import pytest
 import websocket
-from werkzeug.serving import make_server
 
-from app import close_app, create_app
 from app.hub import Hub
 from cdc.capture import Capture
 from config.settings import Settings
-from stack.procs import free_port, wait_until
+from stack.procs import wait_until
 from tests.changes import (
     Writer,
     assert_consecutive,
@@ -28,7 +25,7 @@ from tests.changes import (
     table_versions,
     versions_seen,
 )
-from tests.support import token
+from tests.support import servers, token
 from tests.wsclient import WsClient, fold
 
 pytestmark = pytest.mark.integration
@@ -39,20 +36,13 @@ Serve = Callable[..., tuple[str, Hub]]
 @pytest.fixture(scope="module")
 def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
     """Start an API (with its own settings overrides) on a free port; returns its ws URL."""
-    servers: list[Any] = []
+    with servers(deployment) as start:
 
-    def start(**overrides: Any) -> tuple[str, Hub]:
-        app = create_app(deployment.model_copy(update=overrides))
-        port = free_port()
-        server = make_server("127.0.0.1", port, app, threaded=True)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append((server, app))
-        return f"ws://127.0.0.1:{port}/ws", app.extensions["logfold.hub"]
+        def serve_one(**overrides: Any) -> tuple[str, Hub]:
+            ws_url, app = start(**overrides)
+            return ws_url, app.extensions["logfold.hub"]
 
-    yield start
-    for server, app in servers:
-        server.shutdown()
-        close_app(app)
+        yield serve_one
 
 
 def _keys(n: int) -> tuple[list[str], str]:

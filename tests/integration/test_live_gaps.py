@@ -6,7 +6,6 @@ never a silent jump. Real Kafka, Postgres and CDC; a server keeping 5 changes pe
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from tests.changes import (
     table_versions,
     versions_seen,
 )
-from tests.support import delete_records, end_offset, health_component, served, token
+from tests.support import delete_records, end_offset, health_component, servers, token
 from tests.wsclient import WsClient, fold
 
 pytestmark = pytest.mark.integration
@@ -41,14 +40,13 @@ Serve = Callable[..., tuple[Flask, str, Hub]]
 
 @pytest.fixture(scope="module")
 def serve(deployment: Settings, capture: Capture) -> Iterator[Serve]:
-    with contextlib.ExitStack() as servers:
+    with servers(deployment.model_copy(update={"ws_replay": REPLAY})) as start:
 
-        def start() -> tuple[Flask, str, Hub]:
-            settings = deployment.model_copy(update={"ws_replay": REPLAY})
-            url, app = servers.enter_context(served(settings))
+        def serve_one() -> tuple[Flask, str, Hub]:
+            url, app = start()
             return app, url, app.extensions["logfold.hub"]
 
-        yield start
+        yield serve_one
 
 
 class Failing:
