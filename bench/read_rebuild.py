@@ -23,6 +23,8 @@ from config.settings import Settings
 from config.topics import Topics
 from tests.support import child_env
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def rebuild(args: argparse.Namespace) -> dict[str, Any]:
     from projections.registry import PROJECTIONS
@@ -37,22 +39,18 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
             "events_in_log": written,
             "log_span_days": args.days,
         }
-        # First as a user runs it: `logfold rebuild --all` in a new process (its JVM cold),
-        # from the command to its exit; then the warm figures, in this process.
-        own = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}
+        # First as a user runs it: `logfold rebuild --all` in a new process, from the command
+        # to its exit: with no projector running (a driver of its own, its JVM cold), then
+        # handed to a running projector (its driver warm); then the warm figures, in this
+        # process.
+        env = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}
+        env |= child_env(settings)  # the bench's settings (driver memory...), its stack
         t = time.perf_counter()
-        out = subprocess.run(
-            [sys.executable, "-m", "stack.cli", "rebuild", "--all"],
-            cwd=Path(__file__).resolve().parents[1],
-            env=own | child_env(settings),  # the bench's settings (driver memory...), its stack
-            capture_output=True,
-            text=True,
-            timeout=3600,
-        )
-        if out.returncode != 0:
-            raise SystemExit(f"logfold rebuild --all failed:\n{out.stdout}\n{out.stderr}")
+        out = _command(env, "rebuild", "--all", "--here")
         results["cold_command_seconds"] = time.perf_counter() - t
         results["cold_command_output"] = out.stdout.splitlines()
+        if args.projector_repeats:
+            results |= _handed_to_the_projector(settings, env, args.projector_repeats)
         spark = session(settings, "logfold-bench")
         job = Rebuild(settings, spark)
         topics = Topics(settings.topic_prefix)
@@ -83,6 +81,62 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
         spark.stop()
         medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
         return {**results, "medians": medians}
+
+
+def _command(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`logfold <args>` run to its end; exits the bench if it failed."""
+    out = subprocess.run(
+        [sys.executable, "-m", "stack.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"logfold {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def _handed_to_the_projector(
+    settings: Settings, env: dict[str, str], repeats: int
+) -> dict[str, Any]:
+    """`logfold rebuild --all` with a projector running (started here, its views already
+    current): the command hands the rebuild to it; its first rebuild after the projector's
+    start, then the next ones."""
+    projector = subprocess.Popen(
+        [sys.executable, "-m", "stack.cli", "projector"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        t = time.perf_counter()
+        deadline = time.monotonic() + 600
+        while not _projector_running(settings):
+            if projector.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the projector did not start (run `logfold projector` to see)")
+            time.sleep(0.5)
+        found: dict[str, Any] = {"projector_start_seconds": time.perf_counter() - t}
+        for _ in range(repeats):
+            t = time.perf_counter()
+            out = _command(env, "rebuild", "--all")
+            found.setdefault("projector_command_seconds", []).append(time.perf_counter() - t)
+            if "is rebuilding" not in out.stderr:
+                raise SystemExit(f"the projector did not take the rebuild:\n{out.stderr}")
+        found["projector_command_output"] = out.stdout.splitlines()
+        return found
+    finally:
+        projector.terminate()
+        projector.wait(timeout=120)
+
+
+def _projector_running(settings: Settings) -> bool:
+    """The projector beats and both its queries are active."""
+    with psycopg.connect(settings.database()) as conn:
+        row = conn.execute("SELECT queries FROM projector_status").fetchone()
+    return row is not None and all(q.get("active") for q in row[0].values())
 
 
 def rebuild_workers(args: argparse.Namespace) -> dict[str, Any]:

@@ -41,10 +41,12 @@ work (the broker's C2 goes on for minutes after a start; --settle-jit-pct): thos
 recorded apart (`settling`), not counted.
 
 rebuild: writes N events of a realistic bookshop mix straight into the event topics, times
-`logfold rebuild --all` as a user runs it (a new process, from the command to its exit), then
-times the rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same
-run, the bare rate of reading the same records from Kafka with Spark (no decoding), of reading
-and decoding them as the rebuild does (nothing kept: Spark's `noop` sink), and of COPYing rows
+`logfold rebuild --all` as a user runs it (a new process, from the command to its exit): first
+with no projector running (the command starts a Spark driver of its own), then handed to a
+projector started for it (its first rebuild after the start, then the next); then times the
+rebuild of every projection (one read of the log for all, as `rebuild --all`); in the same run,
+the bare rate of reading the same records from Kafka with Spark (no decoding), of reading and
+decoding them as the rebuild does (nothing kept: Spark's `noop` sink), and of COPYing rows
 of the views' width into Postgres, as ceilings.
 
 rebuild-workers: the same rebuild on a Spark standalone cluster started here (as the cluster
@@ -132,6 +134,12 @@ def main() -> None:
     r = sub.add_parser("rebuild", help="replay throughput over a large log")
     r.add_argument("--events", type=int, default=1_000_000)
     r.add_argument("--repeats", type=int, default=3)
+    r.add_argument(
+        "--projector-repeats",
+        type=int,
+        default=2,
+        help="times `logfold rebuild --all` is handed to a running projector (0: not measured)",
+    )
     r.add_argument(
         "--days",
         type=float,

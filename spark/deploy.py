@@ -43,6 +43,7 @@ from projections.base import Projection, versions
 from spark import keeping
 from spark.event_rows import first_line
 from spark.rebuild import Rebuild
+from spark.session import batch_session
 from spark.shadows import Report
 from spark.sink import ensure_progress, live_version
 
@@ -101,7 +102,7 @@ class Deployer:
                 (version, p.name),
             )
         log.warning("projection %s: building version %s beside the live tables", p.name, version)
-        job = Rebuild(self.settings, self.spark)
+        job = Rebuild(self.settings, batch_session(self.spark))
         job.building = version
         watching = _Progress(self.settings.database(), p.name, job)
         try:

@@ -3,8 +3,9 @@
 - `events` (spark/event_pipeline.py) folds the event log into every projection's views;
 - `joins` (spark/join.py) folds the changelogs of the joined tables into the joined views;
 
-and threads apply the parked events whose retry was asked for (spark/parking.py) and build,
-beside the live tables, the projections whose version changed (spark/deploy.py);
+and threads apply the parked events whose retry was asked for (spark/parking.py), build,
+beside the live tables, the projections whose version changed (spark/deploy.py), and carry out
+the rebuilds `logfold rebuild` asks of it (spark/rebuilder.py);
 
 each in Spark's real-time mode where it can (spark/realtime.py), else in micro-batches.
 
@@ -37,6 +38,7 @@ from spark.event_pipeline import EventPipeline, Running, realtime_partitions, re
 from spark.event_rows import keep_ids
 from spark.join import JoinPipeline
 from spark.realtime import RealTimeEvents, RealTimeJoins
+from spark.rebuilder import Rebuilder
 from spark.retrier import Retrier
 from spark.session import quiet_stop, session
 from spark.status import StatusBeat
@@ -120,6 +122,8 @@ class Projector:
         self.queries: dict[str, Running] = {}
         # Builds the projections whose live tables are at another version (spark/deploy.py).
         self.deployer = Deployer(self.spark, settings, chosen)
+        # Carries out the rebuilds `logfold rebuild` asks of it, after the deployer's builds.
+        self.rebuilder = Rebuilder(self.spark, settings, chosen, joined, self.deployer)
         # Applies parked events whose retry was asked for (`logfold dead-letters retry`).
         self.retrier = (
             Retrier(self.spark, settings, chosen, lambda p: keep_ids(p, settings))
@@ -159,6 +163,7 @@ class Projector:
         if self.retrier is not None:
             self.retrier.start()
         self.deployer.start()
+        self.rebuilder.start()
         failures: dict[str, int] = {}
         restart_at: dict[str, float] = {}
         try:
@@ -180,6 +185,7 @@ class Projector:
                         del restart_at[name]
                         self.start(name)
         finally:
+            self.rebuilder.stop()
             if self.retrier is not None:
                 self.retrier.stop()
             self.status.stop(remove=self._stopping.is_set())

@@ -157,6 +157,15 @@ def full_planning(spark: SparkSession, on: bool) -> None:
         spark.conf.set("spark.sql.optimizer.excludedRules", ",".join(LEAN_EXCLUDED_RULES))
 
 
+def batch_session(spark: SparkSession) -> SparkSession:
+    """A session of `spark`'s context (its JVM, executors and cache) with SQL settings of its
+    own, planning fully: for a whole-log batch (a rebuild, a changed version's build) run in the
+    projector beside its live queries, which plan lean on the session they share."""
+    own = spark.newSession()
+    full_planning(own, True)
+    return own
+
+
 class BatchPlanning:
     """How a live query plans its micro-batches, by their size.
 

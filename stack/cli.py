@@ -200,17 +200,21 @@ def _serve(make: Callable[[Settings], _Service]) -> None:
 @click.argument("projections", nargs=-1)
 @click.option("--all", "everything", is_flag=True, help="Rebuild every projection and join.")
 @click.option("--verify", is_flag=True, help="Compare the rebuilt views with the live ones.")
-def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> None:
+@click.option(
+    "--here",
+    is_flag=True,
+    help="Rebuild in a Spark driver of this command's own, even with a projector running.",
+)
+def rebuild(projections: tuple[str, ...], everything: bool, verify: bool, here: bool) -> None:
     """Rebuild projections by replaying the whole log, and joined views from their tables'
     changelogs (readers keep the old view until the swap).
 
-    Exits 1 when --verify finds a difference.
+    A running projector that folds the same versions of them does it, in its warm Spark driver
+    (it shows in `logfold projections`); otherwise, or with --here, this command starts a
+    driver of its own. Exits 1 when --verify finds a difference.
     """
     from config import logs
     from projections.registry import JOINS, PROJECTIONS
-    from spark.join import JoinRebuild
-    from spark.rebuild import Rebuild
-    from spark.session import session
 
     known = [*PROJECTIONS, *JOINS]
     if everything == bool(projections):
@@ -221,36 +225,129 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool) -> Non
     settings = _settings()
     logs.configure("warning", settings.log_format)
     _require_topics(settings)
-    spark = session(settings, "logfold-rebuild")
-    job, joins = Rebuild(settings, spark), JoinRebuild(settings, spark)
     chosen = projections or tuple(known)
-    # Every projection named is rebuilt from one read of the log; then the joins, which read
-    # the rebuilt tables' changelogs.
-    reports = job.run_many([PROJECTIONS[n] for n in chosen if n in PROJECTIONS], verify=verify)
-    reports += [joins.run(JOINS[n], verify=verify) for n in chosen if n in JOINS]
+    reports = None if here else _ask_the_projector(settings, chosen, verify)
+    if reports is None:
+        reports = _rebuild_here(settings, chosen, verify)
     differences = 0
     for report in reports:
-        name = report.projection
-        rate = report.events / report.seconds if report.seconds else 0.0
-        rows = ", ".join(f"{t}: {n} rows" for t, n in report.rows.items())
-        click.echo(
-            f"{name}: {report.events} events in {report.seconds:.1f}s "
-            f"({rate:,.0f} events/s); {rows}"
-        )
-        parked, skipped = (getattr(report, f, 0) for f in ("parked_aggregates", "skipped_events"))
+        name = report["projection"]
+        events, seconds = report["events"], report["seconds"]
+        rate = events / seconds if seconds else 0.0
+        rows = ", ".join(f"{t}: {n} rows" for t, n in report["rows"].items())
+        click.echo(f"{name}: {events} events in {seconds:.1f}s ({rate:,.0f} events/s); {rows}")
+        parked, skipped = (report.get(f) or 0 for f in ("parked_aggregates", "skipped_events"))
         if parked or skipped:
             click.echo(
                 f"  left out, as the live view leaves them out: the parked events of {parked} "
                 f"aggregates, {skipped} skipped events (logfold dead-letters list {name})"
             )
-        for table, diff in (report.differences or {}).items():
+        for table, diff in (report.get("differences") or {}).items():
             differences += len(diff)
             status = "identical to the live view" if not diff else f"{len(diff)} differences"
             click.echo(f"  verify {table}: {status}")
             for row in diff[:10]:
-                click.echo(f"    {row}")
+                click.echo(f"    {tuple(row)}")
     if differences:
         sys.exit(1)
+
+
+CLAIM_S = 10.0  # how long a running projector has to take a rebuild asked of it
+SILENT_S = 20.0  # a projector rebuilding that has not beaten for this long is taken for gone
+
+
+def _ask_the_projector(
+    settings: Settings, chosen: tuple[str, ...], verify: bool
+) -> list[dict[str, Any]] | None:
+    """The reports of the rebuild of `chosen` by the running projector; None when no projector
+    took it (none runs, or it folds other versions) or it stopped on the way."""
+    import time
+
+    import psycopg
+    from tqdm import tqdm
+
+    from config.settings import PROJECTOR_BEAT_S
+    from projections.base import rebuilds
+    from projections.registry import JOINS, PROJECTIONS
+
+    asked = rebuilds.versions_of(
+        [PROJECTIONS[n] for n in chosen if n in PROJECTIONS],
+        [JOINS[n] for n in chosen if n in JOINS],
+    )
+    with psycopg.connect(settings.database(), autocommit=True) as conn:
+        age = rebuilds.projector_beat_age(conn)
+        if age is None or age > 3 * PROJECTOR_BEAT_S:
+            return None
+        request = rebuilds.ask(conn, asked, verify)
+        taken_by = time.monotonic() + CLAIM_S
+        bar: tqdm[Any] | None = None
+        told = False
+        try:
+            while True:
+                state = rebuilds.state(conn, request)
+                if state is None:  # deleted by hand
+                    return None
+                if state.claimed_by is not None and not told:
+                    told = True
+                    click.echo(
+                        f"the running projector ({state.claimed_by}) is rebuilding (request "
+                        f"{request}); stopping this command leaves it going",
+                        err=True,
+                    )
+                if state.claimed_by is None:
+                    if time.monotonic() > taken_by and rebuilds.withdraw(conn, request):
+                        click.echo(
+                            f"the running projector did not take the rebuild within {CLAIM_S:.0f}s "
+                            "(it folds other versions of these projections, or is busy); "
+                            "rebuilding here",
+                            err=True,
+                        )
+                        return None
+                elif state.finished:
+                    if state.error is not None:
+                        click.echo(
+                            f"error: the projector ({state.claimed_by}) could not rebuild: "
+                            f"{state.error} (its log has the rest)",
+                            err=True,
+                        )
+                        sys.exit(1)
+                    return state.reports or []
+                elif (state.beat_age_s or 0.0) > SILENT_S:
+                    rebuilds.finish(conn, request, error="its projector went silent")
+                    click.echo(
+                        f"the projector ({state.claimed_by}) went silent mid-rebuild; "
+                        "rebuilding here",
+                        err=True,
+                    )
+                    return None
+                elif state.total:
+                    if bar is None:
+                        bar = tqdm(total=state.total, unit="ev", desc="rebuild (by the projector)")
+                    bar.update((state.done or 0) - bar.n)
+                time.sleep(0.5)
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _rebuild_here(
+    settings: Settings, chosen: tuple[str, ...], verify: bool
+) -> list[dict[str, Any]]:
+    """Rebuild `chosen` in a Spark driver of this process's own."""
+    import dataclasses
+
+    from projections.registry import JOINS, PROJECTIONS
+    from spark.join import JoinRebuild
+    from spark.rebuild import Rebuild
+    from spark.session import session
+
+    spark = session(settings, "logfold-rebuild")
+    job, joins = Rebuild(settings, spark), JoinRebuild(settings, spark)
+    # Every projection named is rebuilt from one read of the log; then the joins, which read
+    # the rebuilt tables' changelogs.
+    reports = job.run_many([PROJECTIONS[n] for n in chosen if n in PROJECTIONS], verify=verify)
+    reports += [joins.run(JOINS[n], verify=verify) for n in chosen if n in JOINS]
+    return [dataclasses.asdict(r) for r in reports]
 
 
 @main.command("projections")
@@ -267,7 +364,7 @@ def projections_(watch: bool) -> None:
     import psycopg
 
     from app.read_model import ReadModel
-    from projections.base import versions
+    from projections.base import rebuilds, versions
     from projections.registry import PROJECTIONS
     from spark import keeping
 
@@ -311,6 +408,18 @@ def projections_(watch: bool) -> None:
             f"{name:<20} {mine:<13} {live:<13} {shown.get('events', 0):>8} "
             f"{shown.get('parked_events', 0):>7}  {mine_kept:<13}  {state}"
         )
+    with psycopg.connect(settings.database()) as conn:
+        asked = rebuilds.unfinished(conn)
+    for request in asked:
+        if request.claimed_by is None:
+            where = "waiting for a projector to take it"
+        elif (request.beat_age_s or 0.0) > SILENT_S:
+            where = f"stopped: its projector {request.claimed_by} went silent"
+        else:
+            where = f"by the projector {request.claimed_by}"
+            if request.total:
+                where += "  " + _meter(request.done or 0, request.total)
+        click.echo(f"rebuild {request.id} ({', '.join(request.versions)}): {where}")
 
 
 def _meter(done: int, total: int) -> str:

@@ -7,7 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, DateTime, Index, Integer, Table, Text, func, text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    Table,
+    Text,
+    func,
+    text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 
 from projections import metadata
@@ -69,6 +80,25 @@ projector_status = Table(
     Column("slots_needed", Integer, nullable=False),
     Column("queries", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("beat_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# Rebuilds asked of the running projector (`logfold rebuild`, projections/base/rebuilds.py):
+# the projections named and the versions the asking code folds, claimed by a projector that
+# folds the same, with its progress, a beat while it works, and each projection's report.
+rebuild_requests = Table(
+    "rebuild_requests",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("projections", JSONB, nullable=False),  # name -> the version the asking code folds
+    Column("verify", Boolean, nullable=False, server_default=text("false")),
+    Column("asked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("claimed_by", Text),
+    Column("beat_at", DateTime(timezone=True)),
+    Column("done", BigInteger),
+    Column("total", BigInteger),
+    Column("finished_at", DateTime(timezone=True)),
+    Column("reports", JSONB),
+    Column("error", Text),
 )
 
 # Postgres notifies this channel whenever progress rows are written (a trigger, migration

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.schema import CreateTable
 
-from projections.base.declarations import Output, Projection
+from projections.base.declarations import Join, Output, Projection
 
 _POSTGRES = postgresql.dialect()  # type: ignore[no-untyped-call]
 LENGTH = 12  # hex digits of a derived version
@@ -34,6 +34,17 @@ def of(p: Projection) -> str:
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:LENGTH]
+
+
+def of_join(j: Join) -> str:
+    """`j`'s definition, digested as a projection's version is: its table, sides and sources.
+    (A join has no version of its own: its view is the join of its sides' current rows.)"""
+    parts = [
+        j.name,
+        str(CreateTable(j.table).compile(dialect=_POSTGRES)),
+        repr((j.left, j.right, sorted(j.sources.items()), j.filterable)),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:LENGTH]
 
 
 def _parts(p: Projection) -> list[str]:

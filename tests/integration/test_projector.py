@@ -227,6 +227,16 @@ def test_rebuild_all_verify_while_commands_flow(
         for t in threads:
             t.join()
     assert out.returncode == 0, out.stdout + out.stderr
+    # Done by the running projector, in its driver (no driver of the command's own).
+    projector = procs.procs[-1].pid
+    assert f":{projector}) is rebuilding" in out.stderr, out.stderr
+    with psycopg.connect(deployment.database()) as conn:
+        asked = conn.execute(
+            "SELECT claimed_by, finished_at IS NOT NULL, error FROM rebuild_requests"
+        ).fetchall()
+    assert [(by.rsplit(":", 1)[1], done, error) for by, done, error in asked] == [
+        (str(projector), True, None)
+    ]
     # Every view: the projections' and the joins' (whose changelogs nobody writes here).
     assert out.stdout.count("identical to the live view") == len(VIEWS), out.stdout
     assert seen, "the reader never ran"
@@ -336,3 +346,28 @@ def row_counts(settings: Settings) -> dict[str, int]:
     views = ("customers", "books", "orders", "author_royalties", "sales_by_hour")
     with psycopg.connect(settings.database()) as conn:
         return {v: conn.execute(f"SELECT count(*) FROM {v}").fetchone()[0] for v in views}  # type: ignore[index]
+
+
+def test_a_rebuild_in_the_projector_plans_fully_while_its_live_queries_plan_lean(
+    spark: Any,
+) -> None:
+    """The live queries set their session to plan lean (interpreted expressions, fewer
+    optimizer rules: right for a few records); a rebuild or a changed version's build run in
+    the projector beside them gets a session of its own that plans as Spark does by default
+    (the whole log interpreted took twice as long), and leaves theirs as it was."""
+    from spark.session import LEAN_EXCLUDED_RULES, batch_session, full_planning
+
+    full_planning(spark, False)
+    try:
+        own = batch_session(spark)
+        assert own.sparkContext is spark.sparkContext
+        assert own.conf.get("spark.sql.codegen.wholeStage") == "true"
+        assert own.conf.get("spark.sql.codegen.factoryMode") == "FALLBACK"
+        assert not own.conf.get("spark.sql.optimizer.excludedRules", "")
+        assert own.conf.get("spark.sql.shuffle.partitions") == spark.conf.get(
+            "spark.sql.shuffle.partitions"
+        )
+        assert spark.conf.get("spark.sql.codegen.wholeStage") == "false"
+        assert LEAN_EXCLUDED_RULES[0] in spark.conf.get("spark.sql.optimizer.excludedRules")
+    finally:
+        full_planning(spark, True)

@@ -26,6 +26,8 @@ PROCESSES = {
     "projections listing": (
         "import app.read_model, projections.base.versions, projections.registry, spark.keeping"
     ),
+    # `logfold rebuild` handed to the running projector: asks and follows, from Postgres alone.
+    "rebuild asked of the projector": "import projections.base.rebuilds, stack.cli, tqdm",
 }
 
 

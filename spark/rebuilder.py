@@ -1,0 +1,144 @@
+"""The projector's rebuilds asked for by `logfold rebuild` (the requests:
+`projections/base/rebuilds.py`).
+
+A rebuild in the projector's driver runs in a JVM that has already loaded and compiled most of
+Spark, and on the executors the projector already holds; a new driver for each rebuild spends
+more of its time starting and compiling than folding (`docs/benchmarks.md`, rebuild). The
+rebuild itself is the command's (`spark/rebuild.py`, then `spark/join.py`'s), in a scheduler
+pool of its own beside the live queries. Builds of changed versions (`spark/deploy.py`) go
+first: both swap live tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from pyspark.sql import SparkSession
+
+from config.settings import Settings
+from projections.base import Join, Projection, rebuilds
+from spark.deploy import Deployer
+from spark.event_rows import first_line
+from spark.join import JoinRebuild
+from spark.rebuild import Rebuild
+from spark.session import batch_session
+from spark.shadows import Report
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often the projector looks for requests
+BEAT_S = 1.0  # how often it beats (with its progress) while it rebuilds
+
+
+def report_json(report: Report) -> dict[str, Any]:
+    return dataclasses.asdict(report)
+
+
+class Rebuilder:
+    """The projector's thread that carries out the rebuilds asked of it, one at a time."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        settings: Settings,
+        projections: Sequence[Projection],
+        joins: Sequence[Join],
+        deployer: Deployer,
+    ) -> None:
+        self.spark, self.settings, self.deployer = spark, settings, deployer
+        self.projections = {p.name: p for p in projections}
+        self.joins = {j.name: j for j in joins}
+        self.mine = rebuilds.versions_of(projections, joins)
+        self.who = f"{socket.gethostname()}:{os.getpid()}"
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.carried_out = 0  # requests finished (tests, logs)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rebuilds", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _run(self) -> None:
+        self.deployer.join()  # a changed version's build first: both swap the live tables
+        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", "rebuild")
+        while not self._stopping.wait(POLL_S):
+            try:
+                self.run_once()
+            except Exception:  # Postgres away: looked for again
+                log.exception("rebuilds: looking for requests failed")
+
+    def run_once(self) -> bool:
+        """Claim and carry out one request; whether there was one."""
+        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+            request = rebuilds.claim(conn, self.mine, self.who)
+        if request is None:
+            return False
+        log.warning("rebuilding %s, as asked (request %d)", ", ".join(request.versions), request.id)
+        spark = batch_session(self.spark)
+        job, joins = Rebuild(self.settings, spark), JoinRebuild(self.settings, spark)
+        job.bar_out = open(os.devnull, "w")  # counted for the beat, drawn nowhere  # noqa: SIM115
+        beating = _Beat(self.settings.database(), request.id, job)
+        beating.start()
+        reports: list[Report] = []
+        error = None
+        try:
+            chosen = list(request.versions)
+            reports = job.run_many(
+                [self.projections[n] for n in chosen if n in self.projections],
+                verify=request.verify,
+                progress=False,
+            )
+            reports += [
+                joins.run(self.joins[n], verify=request.verify) for n in chosen if n in self.joins
+            ]
+        except Exception as e:
+            error = first_line(e)
+            log.exception("rebuild request %d failed", request.id)
+        finally:
+            beating.stop()
+            job.bar_out.close()
+        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+            rebuilds.finish(conn, request.id, [report_json(r) for r in reports], error)
+        self.carried_out += 1
+        return True
+
+
+class _Beat:
+    """Beats for a request every BEAT_S seconds, with the rebuild's progress, until stopped."""
+
+    def __init__(self, url: str, request: int, job: Rebuild) -> None:
+        self.url, self.request, self.job = url, request, job
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rebuild-beat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        while not self._stop.wait(BEAT_S):
+            bar = self.job.bar
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.url, autocommit=True)
+                done, total = (int(bar.n), int(bar.total)) if bar and bar.total else (None, None)
+                rebuilds.beat(conn, self.request, done, total)
+            except psycopg.Error as e:  # tried again at the next beat
+                log.warning("rebuild request %d: no beat: %s", self.request, e)
+                conn = None
+        if conn is not None:
+            conn.close()
