@@ -226,7 +226,7 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool, here: 
     logs.configure("warning", settings.log_format)
     _require_topics(settings)
     chosen = projections or tuple(known)
-    reports = None if here else _ask_the_projector(settings, chosen, verify)
+    reports = None if here else _ask_the_projector_unless_away(settings, chosen, verify)
     if reports is None:
         reports = _rebuild_here(settings, chosen, verify)
     differences = 0
@@ -254,6 +254,22 @@ def rebuild(projections: tuple[str, ...], everything: bool, verify: bool, here: 
 
 CLAIM_S = 10.0  # how long a running projector has to take a rebuild asked of it
 SILENT_S = 20.0  # a projector rebuilding that has not beaten for this long is taken for gone
+
+
+def _ask_the_projector_unless_away(
+    settings: Settings, chosen: tuple[str, ...], verify: bool
+) -> list[dict[str, Any]] | None:
+    import psycopg
+
+    try:
+        return _ask_the_projector(settings, chosen, verify)
+    except psycopg.OperationalError as e:
+        click.echo(
+            f"error: Postgres is out of reach ({str(e).strip().splitlines()[0]}); start the "
+            "stack (`logfold run`) or point DATABASE_URL at it",
+            err=True,
+        )
+        sys.exit(2)
 
 
 def _ask_the_projector(

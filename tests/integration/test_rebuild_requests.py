@@ -19,7 +19,7 @@ from config.settings import Settings
 from projections.base import rebuilds
 from projections.registry import JOINS, PROJECTIONS
 from stack import cli as cli_module
-from tests.support import cli_env, new_deployment
+from tests.support import cli_env, free_port, new_deployment
 
 CUSTOMERS = rebuilds.versions_of([PROJECTIONS["customers"]], [])
 REPORT = {
@@ -256,3 +256,18 @@ def test_logfold_projections_lists_the_rebuilds_asked_and_not_finished(
     assert f"rebuild {taken} (" in listed.output
     assert "by the projector host-b:7" in listed.output and "250/1000" in listed.output
     assert f"rebuild {done} " not in listed.output
+
+
+def test_postgres_out_of_reach_is_said_and_exits_2(
+    settings: Settings, here: list[tuple[str, ...]], tmp_path: Any
+) -> None:
+    away = settings.model_copy(
+        update={"database_url": f"postgresql://logfold@127.0.0.1:{free_port()}/nowhere"}
+    )
+    done = CliRunner().invoke(
+        cli_module.main, ["rebuild", "customers"], env=cli_env(away, tmp_path)
+    )
+    assert done.exit_code == 2, done.output
+    assert "error: Postgres is out of reach" in done.output
+    assert "Traceback" not in done.output
+    assert here == []
