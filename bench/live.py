@@ -17,6 +17,11 @@ idle-sockets: cdc and api processes; N subscribers (10,000 by default) of a filt
 matches, in a few client processes; the API's memory per socket, and the p99 of REST reads of
 one row beside them against without them (medians of 3 rounds, each with a fresh API process).
 It measures the serving model `make run` uses; another with e.g. `LOGFOLD_API_WORKER=gthread`.
+Each round also starts a twin API process that gets no sockets, and reads alternate between
+the two in blocks of 50 (before the sockets connect and after): the twin's p99 measures the
+machine's own noise at the same moments, so `paired` (the holder's p99 over the twin's with the
+sockets, divided by the same before them) is what holding the sockets costs the process that
+holds them, apart from what the clients and the holder's writes cost the shared cores.
 `--clients-apart` runs the subscribers' processes on a core of their own, and the API and the
 REST client on the others: what the API's sockets cost REST, without the clients' own CPU.
 
@@ -457,6 +462,7 @@ def idle_sockets(args: argparse.Namespace) -> dict[str, Any]:
             rounds = [_idle_round(procs, keys, args) for _ in tqdm(range(args.repeats), "rounds")]
         finally:
             procs.stop()
+    paired = statistics.median(r["paired_p99_ratio"] for r in rounds)
     without = statistics.median(r["rest_p99_ms_without"] for r in rounds)
     with_sockets = statistics.median(r["rest_p99_ms_with"] for r in rounds)
     unread = statistics.median(r["rest_p99_ms_with_clients_not_reading"] for r in rounds)
@@ -473,13 +479,16 @@ def idle_sockets(args: argparse.Namespace) -> dict[str, Any]:
         "rest_p99_with/without": with_sockets / without,
         "rest_p99_ms_with_clients_not_reading": unread,
         "rest_p99_with_clients_not_reading/without": unread / without,
+        "paired_p99_ratio": paired,
         "rounds": rounds,
     }
 
 
 def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """One fresh API process: REST's p99 alone, then with `args.clients` idle subscribers."""
+    """One fresh API process: REST's p99 alone, then with `args.clients` idle subscribers;
+    each time beside a twin process without sockets, read alternately."""
     api_proc, url = procs.api()
+    twin_proc, twin_url = procs.api()
     fleets: list[Fleet] = []
     clients = None
     if args.clients_apart:  # the clients on the last core; the API and this process on the others
@@ -487,23 +496,24 @@ def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> 
         if len(cores) < 2:
             raise SystemExit("--clients-apart needs at least two cores")
         clients, others = {cores[-1]}, set(cores[:-1])
-        for pid in [*tree(api_proc.pid), os.getpid()]:
+        for pid in [*tree(api_proc.pid), *tree(twin_proc.pid), os.getpid()]:
             _pin(pid, others)
     try:
-        probe = Watcher(url)
-        probe.subscribe("probe", "customers", {"name": "nobody"}, timeout=180)
-        probe.close()
-        without = _rest_p99(url, keys, args.requests)
+        for ready in (url, twin_url):
+            probe = Watcher(ready)
+            probe.subscribe("probe", "customers", {"name": "nobody"}, timeout=180)
+            probe.close()
+        without, twin_before = _rest_p99s([url, twin_url], keys, args.requests)
         rss_before = rss_mib(tree(api_proc.pid))
         urls = [ws_url(url, q) for q in _subscriber_queries(args.clients)]
         fleets, connected, connect_s = _connect(urls, args.client_procs, IDLE_SUBSCRIBE, clients)
         rss_with = rss_mib(tree(api_proc.pid))
-        with_sockets = _rest_p99(url, keys, args.requests)
+        with_sockets, twin_beside = _rest_p99s([url, twin_url], keys, args.requests)
         # The same with the clients not reading meanwhile (the API still sends every heartbeat):
         # what their own CPU, on the cores the API and this process share, adds.
         for fleet in fleets:
             fleet.ask("pause")
-        with_unread = _rest_p99(url, keys, args.requests)
+        (with_unread,) = _rest_p99s([url], keys, args.requests)
         for fleet in fleets:
             fleet.ask("resume")
         open_now = sum(f.ask("status")["snapshots"] - f.ask("status")["closed"] for f in fleets)
@@ -518,26 +528,38 @@ def _idle_round(procs: Processes, keys: list[str], args: argparse.Namespace) -> 
             "rest_p99_ms_without": without,
             "rest_p99_ms_with": with_sockets,
             "rest_p99_ms_with_clients_not_reading": with_unread,
+            "twin_rest_p99_ms_before": twin_before,
+            "twin_rest_p99_ms_beside": twin_beside,
+            "paired_p99_ratio": (with_sockets / twin_beside) / (without / twin_before),
         }
     finally:
         for fleet in fleets:
             fleet.close()
-        procs.procs.remove(api_proc)
-        stop_process(api_proc)
+        for proc in (api_proc, twin_proc):
+            procs.procs.remove(proc)
+            stop_process(proc)
 
 
-def _rest_p99(url: str, keys: list[str], requests_: int) -> float:
-    """p99 in ms of `requests_` reads of one row each, one after another."""
-    session = requests.Session()
-    session.headers["Authorization"] = f"Bearer {token('views:read')}"
-    times = []
-    for i in range(requests_):
+BLOCK = 50  # reads of one process before the next process's, when reading several
+
+
+def _rest_p99s(urls: list[str], keys: list[str], requests_: int) -> list[float]:
+    """p99 in ms of `requests_` reads of one row each from each of `urls`, one after another,
+    alternating between them every BLOCK reads."""
+    sessions = [requests.Session() for _ in urls]
+    for session in sessions:
+        session.headers["Authorization"] = f"Bearer {token('views:read')}"
+    times: list[list[float]] = [[] for _ in urls]
+    for i in range(requests_ * len(urls)):
+        which = (i // BLOCK) % len(urls)
         t = time.perf_counter()
-        response = session.get(f"{url}/views/customers/{keys[i % len(keys)]}", timeout=30)
-        times.append(time.perf_counter() - t)
+        key = keys[i % len(keys)]
+        response = sessions[which].get(f"{urls[which]}/views/customers/{key}", timeout=30)
+        times[which].append(time.perf_counter() - t)
         response.raise_for_status()
-    session.close()
-    return percentile(times, 0.99) * 1e3
+    for session in sessions:
+        session.close()
+    return [percentile(t, 0.99) * 1e3 for t in times]
 
 
 def _subscriber_queries(clients: int) -> list[str]:
