@@ -29,9 +29,8 @@ meanwhile."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -42,7 +41,7 @@ from config.settings import Settings
 from projections.base import Projection, versions
 from spark import keeping
 from spark.event_rows import first_line
-from spark.rebuild import Rebuild
+from spark.rebuild import ProgressWriter, Rebuild
 from spark.session import batch_session
 from spark.shadows import Report
 from spark.sink import ensure_progress, live_version
@@ -104,7 +103,6 @@ class Deployer:
         log.warning("projection %s: building version %s beside the live tables", p.name, version)
         job = Rebuild(self.settings, batch_session(self.spark))
         job.building = version
-        watching = _Progress(self.settings.database(), p.name, job)
         try:
             with psycopg.connect(self.settings.database()) as conn:
                 kept = keeping.usable(conn, p.name, version)
@@ -117,8 +115,8 @@ class Deployer:
                 )
                 report = job.restore(p, kept, verify=self.settings.deploy_verify)
             else:
-                watching.start()
-                report = job.run(p, verify=self.settings.deploy_verify, progress=False)
+                with ProgressWriter(self.settings.database(), job, build_progress(p.name)):
+                    report = job.run(p, verify=self.settings.deploy_verify, progress=False)
         except Exception as e:
             error = first_line(e)
             self.failed[p.name] = error
@@ -130,8 +128,6 @@ class Deployer:
                     (f"version {version}: {error}", p.name),
                 )
             return False
-        finally:
-            watching.stop()
         self.built.append(p.name)
         self.reports[p.name] = report
         if report.differences is not None:
@@ -163,40 +159,18 @@ def _changes(version: str, report: Report) -> dict[str, Any]:
     return {"version": version, "restored_from_kept": report.restored is not None, "tables": tables}
 
 
-class _Progress:
-    """Writes a build's progress (events folded, of the log's) to its projection's progress
-    row every second, while it reads the whole log."""
+def build_progress(
+    projection: str,
+) -> Callable[[psycopg.Connection[Any], int | None, int | None], None]:
+    """How a build's progress is recorded: in its projection's progress row, once the log's
+    size is known (`logfold projections --watch` draws it)."""
 
-    EVERY_S = 1.0
-
-    def __init__(self, url: str, projection: str, job: Rebuild) -> None:
-        self.url, self.projection, self.job = url, projection, job
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="deploy-progress", daemon=True)
-        job.bar_out = open(os.devnull, "w")  # counted, drawn nowhere  # noqa: SIM115
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._stop.set()
-            self._thread.join()
-        if self.job.bar_out is not None:
-            self.job.bar_out.close()
-
-    def _run(self) -> None:
-        try:
-            with psycopg.connect(self.url, autocommit=True) as conn:
-                while not self._stop.wait(self.EVERY_S):
-                    bar = self.job.bar
-                    if bar is not None and bar.total:
-                        conn.execute(
-                            "UPDATE projection_progress SET build_done = %s, build_total = %s "
-                            "WHERE projection = %s",
-                            (int(bar.n), int(bar.total), self.projection),
-                        )
-        except psycopg.Error as e:  # only the progress shown is lost
-            log.warning(
-                "projection %s: the build's progress is not recorded: %s", self.projection, e
+    def record(conn: psycopg.Connection[Any], done: int | None, total: int | None) -> None:
+        if total is not None:
+            conn.execute(
+                "UPDATE projection_progress SET build_done = %s, build_total = %s "
+                "WHERE projection = %s",
+                (done, total, projection),
             )
+
+    return record

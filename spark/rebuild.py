@@ -24,6 +24,7 @@ copies another.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -454,6 +455,50 @@ def _survey(records: DataFrame) -> tuple[dict[str, int], dict[str, int], int]:
 
 def _differences(conn: psycopg.Connection[Any], output: Output) -> list[Any]:
     return differences(conn, output.name, output.name + SHADOW, ", ".join(output.columns))
+
+
+class ProgressWriter:
+    """While a rebuild run in the projector (a changed version's build, a rebuild asked of it)
+    works, hands its progress (events folded, of the log's; both None until the log's size is
+    known) to `write` every `every_s` seconds, from a thread of its own. The job's bar only
+    counts: nothing is drawn. A write Postgres refuses is logged and tried again at the next."""
+
+    def __init__(
+        self,
+        url: str,
+        job: Rebuild,
+        write: Callable[[psycopg.Connection[Any], int | None, int | None], None],
+        every_s: float = 1.0,
+    ) -> None:
+        self.url, self.job, self.write, self.every_s = url, job, write, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rebuild-progress", daemon=True)
+
+    def __enter__(self) -> ProgressWriter:
+        self.job.bar_out = open(os.devnull, "w")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.job.bar_out is not None:
+            self.job.bar_out.close()
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        while not self._stop.wait(self.every_s):
+            bar = self.job.bar
+            done, total = (int(bar.n), int(bar.total)) if bar and bar.total else (None, None)
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.url, autocommit=True)
+                self.write(conn, done, total)
+            except psycopg.Error as e:
+                log.warning("a rebuild's progress is not recorded: %s", e)
+                conn = None
+        if conn is not None:
+            conn.close()
 
 
 class _TaskProgress:

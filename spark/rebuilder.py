@@ -27,7 +27,7 @@ from projections.base import Join, Projection, rebuilds
 from spark.deploy import Deployer
 from spark.event_rows import first_line
 from spark.join import JoinRebuild
-from spark.rebuild import Rebuild
+from spark.rebuild import ProgressWriter, Rebuild
 from spark.session import batch_session
 from spark.shadows import Report
 
@@ -35,10 +35,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the projector looks for requests
 BEAT_S = 1.0  # how often it beats (with its progress) while it rebuilds
-
-
-def report_json(report: Report) -> dict[str, Any]:
-    return dataclasses.asdict(report)
 
 
 class Rebuilder:
@@ -86,59 +82,29 @@ class Rebuilder:
         log.warning("rebuilding %s, as asked (request %d)", ", ".join(request.versions), request.id)
         spark = batch_session(self.spark)
         job, joins = Rebuild(self.settings, spark), JoinRebuild(self.settings, spark)
-        job.bar_out = open(os.devnull, "w")  # counted for the beat, drawn nowhere  # noqa: SIM115
-        beating = _Beat(self.settings.database(), request.id, job)
-        beating.start()
+
+        def beat(conn: psycopg.Connection[Any], done: int | None, total: int | None) -> None:
+            rebuilds.beat(conn, request.id, done, total)
+
         reports: list[Report] = []
         error = None
         try:
-            chosen = list(request.versions)
-            reports = job.run_many(
-                [self.projections[n] for n in chosen if n in self.projections],
-                verify=request.verify,
-                progress=False,
-            )
-            reports += [
-                joins.run(self.joins[n], verify=request.verify) for n in chosen if n in self.joins
-            ]
+            with ProgressWriter(self.settings.database(), job, beat, BEAT_S):
+                chosen = list(request.versions)
+                reports = job.run_many(
+                    [self.projections[n] for n in chosen if n in self.projections],
+                    verify=request.verify,
+                    progress=False,
+                )
+                reports += [
+                    joins.run(self.joins[n], verify=request.verify)
+                    for n in chosen
+                    if n in self.joins
+                ]
         except Exception as e:
             error = first_line(e)
             log.exception("rebuild request %d failed", request.id)
-        finally:
-            beating.stop()
-            job.bar_out.close()
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
-            rebuilds.finish(conn, request.id, [report_json(r) for r in reports], error)
+            rebuilds.finish(conn, request.id, [dataclasses.asdict(r) for r in reports], error)
         self.carried_out += 1
         return True
-
-
-class _Beat:
-    """Beats for a request every BEAT_S seconds, with the rebuild's progress, until stopped."""
-
-    def __init__(self, url: str, request: int, job: Rebuild) -> None:
-        self.url, self.request, self.job = url, request, job
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rebuild-beat", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
-        while not self._stop.wait(BEAT_S):
-            bar = self.job.bar
-            try:
-                if conn is None or conn.closed:
-                    conn = psycopg.connect(self.url, autocommit=True)
-                done, total = (int(bar.n), int(bar.total)) if bar and bar.total else (None, None)
-                rebuilds.beat(conn, self.request, done, total)
-            except psycopg.Error as e:  # tried again at the next beat
-                log.warning("rebuild request %d: no beat: %s", self.request, e)
-                conn = None
-        if conn is not None:
-            conn.close()

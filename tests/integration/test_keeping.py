@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from config.settings import Settings
 from events.base import ERASED
 from spark import keeping
-from spark.deploy import _Progress
+from spark.deploy import build_progress
+from spark.rebuild import ProgressWriter
 from stack import cli
 from stack.procs import wait_until
 from tests.support import cli_env, tables_holding
@@ -94,7 +95,7 @@ def test_a_version_with_parked_events_is_not_kept_and_a_skip_makes_a_copy_unusab
 
 
 class _Job:
-    """What `_Progress` reads of a build: its progress bar."""
+    """What `ProgressWriter` reads of a build: its progress bar."""
 
     def __init__(self) -> None:
         self.bar: Any = type("Bar", (), {"n": 50, "total": 200})()
@@ -109,19 +110,16 @@ def test_a_builds_progress_is_recorded_and_drawn_by_logfold_projections(
         conn.execute(
             "UPDATE projection_progress SET building_version = 'v2', build_started_at = now()"
         )
-    watching = _Progress(fresh.database(), "customers", _Job())  # type: ignore[arg-type]
-    watching.start()
-    try:
 
-        def recorded() -> Any:
-            with psycopg.connect(fresh.database()) as conn:
-                return conn.execute(
-                    "SELECT build_done, build_total FROM projection_progress"
-                ).fetchone()
+    def recorded() -> Any:
+        with psycopg.connect(fresh.database()) as conn:
+            return conn.execute(
+                "SELECT build_done, build_total FROM projection_progress"
+            ).fetchone()
 
+    job: Any = _Job()
+    with ProgressWriter(fresh.database(), job, build_progress("customers")):
         wait_until(lambda: recorded() == (50, 200), 30, "the build's progress recorded")
-    finally:
-        watching.stop()
     env = cli_env(fresh, tmp_path)
     listed = CliRunner().invoke(cli.main, ["projections"], env=env)
     assert listed.exit_code == 0, listed.output
