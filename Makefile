@@ -8,7 +8,7 @@ help:
 	@echo "make test-unit  only the fast unit tests"
 	@echo "make lint       ruff + mypy"
 	@echo "make bench      benchmarks (results in bench/results/; the figures on docs/benchmarks.md)"
-	@echo "make bench-live websocket push benchmarks: freshness and 1,000-subscriber fan-out (with its raw ceiling)"
+	@echo "make bench-live websocket push benchmarks: freshness, 1,000-subscriber fan-out (with its raw ceiling), 10,000 idle sockets (memory, REST p99 beside them)"
 	@echo "make bench-pipeline the whole pipeline's sustained commands/s beside the write side alone's, CPU per command per process"
 
 bootstrap:
@@ -37,6 +37,7 @@ bench: bootstrap
 bench-live: bootstrap
 	.venv/bin/python bench/live.py freshness --rates 5 20 50 --duration 60 --repeats 3
 	.venv/bin/python bench/live.py fanout --clients 1000 --client-procs 2 --rates 5 20 50 --duration 20 --repeats 3
+	.venv/bin/python bench/live.py idle-sockets --requests 3000 --repeats 5
 
 bench-pipeline: bootstrap
 	.venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 --duration 15 --repeats 3 --warmup 45

@@ -14,14 +14,26 @@ messages, and the control frames (pong, close) the websocket library sends while
 connection's handler reads, which see the socket through `SocketProxy`. Two writers never
 interleave on one socket.
 
-The writer also sends heartbeats to sockets idle for `heartbeat_s` (one frame, the same bytes
-for every socket), writes in slices (yielding between them, so that requests are served during
-a fan-out to thousands of sockets), and hands a subscription's `resync` (a new snapshot: a
-database read) to a small pool, never doing it on its own thread."""
+The writer also looks for sockets idle for `heartbeat_s` and has them sent a heartbeat (one
+frame, the same bytes for every socket) by a thread of the operating system's own (`Beater`),
+writes in slices (yielding between them, so that requests are served during a fan-out to
+thousands of sockets), and hands a subscription's `resync` (a new snapshot: a database read) to
+a small pool, never doing it on its own thread.
+
+Why heartbeats have a thread of their own: ten thousand idle sockets are a thousand heartbeats a
+second, each a system call that also delivers the bytes to the reader. Under the gevent worker
+every greenlet, REST requests included, runs on one thread, so those sends (in slices between
+requests) moved the REST p99 by most of a millisecond. On a thread of its own the send runs on
+the other core without the interpreter's lock, and the requests' thread gives way to it only for
+the few Python steps around each send. While a heartbeat is in flight the writer does not write
+to that socket (`Outlet.beating`): the thread writes a whole frame or says what it left, which
+the writer sends before anything else."""
 
 from __future__ import annotations
 
+import _queue
 import _socket
+import _thread
 import contextlib
 import heapq
 import itertools
@@ -52,7 +64,7 @@ SWEEP_S = 0.1
 # yield is a sleep, however short: gevent's `sleep(0)` may resume the writer before the loop
 # polls for I/O, so a request that has just arrived would still wait.
 SLICE = 64
-BEAT_SLICE = 16  # heartbeats between two yields (each is a send: a slice is ~0.2 ms)
+LOOK_SLICE = 32  # idle sockets looked at between two yields (a few microseconds each)
 YIELD_S = 1e-6
 # A server's frames are not masked: a heartbeat is the same bytes on every socket.
 HEARTBEAT = bytes(
@@ -80,6 +92,8 @@ class Outlet:
         self.detached = False
         self.broken = False
         self.waiting_writable = False
+        self.beating = False  # a heartbeat is in the Beater's hands: the writer keeps off
+        self.woken_while_beating = False
         self.finished = threading.Event()  # done: detached with nothing left, or broken
 
     def enqueue(self, data: bytes) -> None:
@@ -89,25 +103,27 @@ class Outlet:
                 self.pending += data
         self.writer.wake(self)
 
-    def beat(self, now: float) -> None:
-        """A heartbeat, written at once (by the writer, which calls this): straight to the
-        socket when nothing waits before it (thousands of these a second, each as cheap as a
-        send), else after what does."""
+    def take_for_beat(self) -> bool:
+        """Hand the socket to the `Beater` for a heartbeat, if it is idle and nothing waits to
+        be written to it. Until `beaten`, the writer does not write to it."""
         with self.lock:
-            if self.closing or self.broken:
-                return
-            if not self.pending:
-                try:
-                    sent = self.sock.send(HEARTBEAT, socket.MSG_DONTWAIT)
-                except OSError:  # full, or gone: as any write (flush says which)
-                    sent = 0
-                if sent == len(HEARTBEAT):
-                    self.last_write = now
-                    return
-                self.pending += HEARTBEAT[sent:]
-            else:
-                self.pending += HEARTBEAT
-        self.flush()
+            if self.closing or self.broken or self.pending or self.beating:
+                return False
+            self.beating = True
+            return True
+
+    def beaten(self, sent: int, now: float) -> bool:
+        """The `Beater` wrote `sent` bytes of the heartbeat; what it left goes first. True when
+        the writer has something to do here (a wake while the heartbeat was in flight, or the
+        heartbeat's rest)."""
+        with self.lock:
+            self.beating = False
+            if sent == len(HEARTBEAT):
+                self.last_write = now
+            elif not self.broken:
+                self.pending[0:0] = HEARTBEAT[sent:]
+            woken, self.woken_while_beating = self.woken_while_beating, False
+            return woken or bool(self.pending)
 
     def pump(self) -> None:
         """Frame what the client has queued and write as much as the socket takes; once the
@@ -187,8 +203,9 @@ class Outlet:
 
     @property
     def done(self) -> bool:
-        """Nothing more will be written: detached (or broken) with nothing left."""
-        return self.broken or (self.detached and not self.pending)
+        """Nothing more will be written: detached (or broken) with nothing left, and no
+        heartbeat in flight (its socket is closed once this says so)."""
+        return not self.beating and (self.broken or (self.detached and not self.pending))
 
 
 def _unwrapped(sock: Any) -> _socket.socket:
@@ -226,6 +243,58 @@ class SocketProxy:
         return getattr(self._sock, name)
 
 
+def _start_os_thread(target: Callable[[], None]) -> None:
+    """Run `target` on a thread of the operating system's own, even in a process gevent has
+    patched (where a `threading.Thread` is a greenlet on the one thread)."""
+    try:
+        from gevent.monkey import get_original
+    except ImportError:  # pragma: no cover (gevent is a dependency: the default worker)
+        start = _thread.start_new_thread
+    else:
+        start = get_original("_thread", "start_new_thread")
+    start(target, ())
+
+
+class Beater:
+    """Writes heartbeats, on a thread of its own, to the sockets the writer hands it (in
+    batches: those due at one look). It touches nothing of an outlet but its socket, with one
+    non-blocking send of the heartbeat, and hands back how much each took; it wakes the writer
+    through `wake` (a C-level socket: nothing here may wait on the gevent hub, which is the
+    other thread's). Its queues are the standard library's C ones, which gevent leaves alone."""
+
+    def __init__(self, wake: _socket.socket) -> None:
+        self._wake = wake
+        self._todo: _queue.SimpleQueue[list[Outlet] | None] = _queue.SimpleQueue()
+        self._done: _queue.SimpleQueue[tuple[Outlet, int]] = _queue.SimpleQueue()
+        _start_os_thread(self._run)
+
+    def beat(self, outlets: list[Outlet]) -> None:
+        self._todo.put(outlets)
+
+    def stop(self) -> None:
+        self._todo.put(None)
+
+    def beaten(self) -> list[tuple[Outlet, int]]:
+        """What the thread has written since the last call: each outlet, and the bytes sent."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except _queue.Empty:
+                return out
+
+    def _run(self) -> None:
+        while (batch := self._todo.get()) is not None:
+            for outlet in batch:
+                try:
+                    sent = outlet.sock.send(HEARTBEAT, socket.MSG_DONTWAIT)
+                except OSError:  # full, or gone: the writer's next write says which
+                    sent = 0
+                self._done.put((outlet, sent))
+            with contextlib.suppress(OSError):
+                self._wake.send(b"\0", socket.MSG_DONTWAIT)
+
+
 class Writer:
     """The process's websocket writer: one thread, a selector for sockets that are full."""
 
@@ -241,6 +310,7 @@ class Writer:
         self._wake_w.setblocking(False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._signalled = False
+        self._beater: Beater | None = None
         # When each outlet is next looked at for a heartbeat, soonest first: a sweep looks at
         # the sockets due, not at every socket (ten thousand idle ones, every second, took a
         # twentieth of the process).
@@ -254,6 +324,7 @@ class Writer:
     def start(self) -> None:
         with self._started:
             if self._thread is None:
+                self._beater = Beater(_unwrapped(self._wake_w))
                 self._thread = threading.Thread(target=self._run, name="ws-writer", daemon=True)
                 self._thread.start()
 
@@ -262,6 +333,8 @@ class Writer:
         self._signal()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._beater is not None:
+            self._beater.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- connections ---------------------------------------------------------------------------
@@ -288,6 +361,9 @@ class Writer:
         if linger > 0 and not outlet.finished.wait(linger):
             outlet.abandon()  # the client does not read: its socket is closed without it
             self.wake(outlet)
+            # (not while a heartbeat is being sent to it: its number could meanwhile be another
+            # connection's. The Beater's batches take milliseconds.)
+            outlet.finished.wait(linger)
 
     def wake(self, outlet: Outlet) -> None:
         with self.lock:
@@ -334,6 +410,11 @@ class Writer:
             with self.lock:
                 self._signalled = False
                 dirty, self.dirty = self.dirty, set()
+            assert self._beater is not None
+            now = time.monotonic()
+            for outlet, sent in self._beater.beaten():
+                if outlet.beaten(sent, now):
+                    dirty.add(outlet)
             due = [*dirty, *(o for o in writable if o not in dirty)]
             for pumped, outlet in enumerate(due, start=1):
                 self._pump(outlet)
@@ -345,6 +426,9 @@ class Writer:
                 self._sweep(now)
 
     def _pump(self, outlet: Outlet) -> None:
+        if outlet.beating:  # the Beater has its socket: pumped once it hands it back
+            outlet.woken_while_beating = True
+            return
         try:
             if not outlet.broken:
                 outlet.pump()  # detached too: its last messages and its close frame go first
@@ -368,9 +452,9 @@ class Writer:
         with self.lock:
             while self._due and self._due[0][0] <= now:
                 due.append(heapq.heappop(self._due)[2])
-        later = []
+        later, beats = [], []
         for seen, outlet in enumerate(due, start=1):
-            if seen % BEAT_SLICE == 0:
+            if seen % LOOK_SLICE == 0:
                 time.sleep(YIELD_S)  # (many due at once: in slices, as `_run` writes)
             if outlet not in self.outlets:  # gone since
                 continue
@@ -378,11 +462,14 @@ class Writer:
                 self._pump(outlet)  # (it goes)
                 continue
             if now - outlet.last_write >= self.heartbeat_s:
-                if outlet.ws.connected:
-                    outlet.beat(now)
+                if outlet.ws.connected and outlet.take_for_beat():
+                    beats.append(outlet)
                 later.append((outlet, now + self.heartbeat_s))
             else:  # written to since: due a heartbeat_s after that
                 later.append((outlet, outlet.last_write + self.heartbeat_s))
+        if beats:
+            assert self._beater is not None
+            self._beater.beat(beats)
         with self.lock:
             for outlet, when in later:
                 if outlet in self.outlets:

@@ -4,8 +4,10 @@ costing its own outbox (lagging, then close 4008), never the writer's memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,8 +17,10 @@ from wsproto.connection import Connection, ConnectionType
 from wsproto.events import CloseConnection, Ping, TextMessage
 
 from app.hub import SLOW_CLOSE, Client
-from app.ws_writer import Writer
+from app.ws_writer import HEARTBEAT, Writer
 from stack.procs import wait_until
+
+CHANGE = '{"type":"change","id":"s","op":"upsert","key":{},"row":{"x":"%s"},"position":"%d.1"}'
 
 
 @dataclass
@@ -75,9 +79,8 @@ def test_messages_go_out_in_order_and_the_librarys_frames_never_cut_into_them(
     ws, client, peer = FakeWs(server), Client(5000), Peer(other)
     outlet = writer.attach(ws, client, lambda _: None)
     client.offer({"type": "subscribed", "id": "s"})
-    change = '{"type":"change","id":"s","op":"upsert","key":{},"row":{"x":"%s"},"position":"%d.1"}'
     for i in range(2000):
-        client.offer(change % ("x" * 300, i), "s")
+        client.offer(CHANGE % ("x" * 300, i), "s")
         if i % 100 == 0:  # as the library's reader thread answers a ping, via the proxy
             ws.sock.send(ws.ws.send(Ping(b"%d" % i)))
     wait_until(lambda: (peer.read(), len(peer.texts()) >= 2001)[1], 30, "every message")
@@ -98,9 +101,8 @@ def test_a_reader_that_does_not_read_fills_its_outbox_not_the_writer(
     other.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     ws, client, peer = FakeWs(server), Client(50), Peer(other)
     outlet = writer.attach(ws, client, lambda _: None)
-    change = '{"type":"change","id":"s","op":"upsert","key":{},"row":{"x":"%s"},"position":"%d.1"}'
     sent = 0
-    while client.offer(change % ("x" * 400, sent), "s"):
+    while client.offer(CHANGE % ("x" * 400, sent), "s"):
         sent += 1
         assert sent < 100_000, "the outbox never filled: the writer took everything"
     assert client.close_code == SLOW_CLOSE
@@ -129,3 +131,72 @@ def test_an_idle_socket_gets_heartbeats_then_its_messages() -> None:
         writer.stop()
         server.close()
         other.close()
+
+
+def test_a_heartbeat_in_flight_keeps_the_writer_off_its_socket_and_its_rest_goes_first(
+    pair: tuple[Writer, socket.socket, socket.socket],
+) -> None:
+    """The Beater's thread has the socket while a heartbeat is in flight: a message queued
+    meanwhile waits, and what of the heartbeat the socket did not take goes before it."""
+    writer, server, other = pair
+    ws, client, peer = FakeWs(server), Client(100), Peer(other)
+    outlet = writer.attach(ws, client, lambda _: None)
+    assert outlet.take_for_beat()
+    assert not outlet.take_for_beat()  # (one at a time)
+    client.offer({"type": "subscribed", "id": "s"})
+    wait_until(lambda: outlet.woken_while_beating, 10, "the writer to keep off")
+    assert not outlet.pending and not outlet.done
+    server.send(HEARTBEAT[:3])  # as the Beater's send, cut short by a full socket
+    assert writer._beater is not None
+    writer._beater._done.put((outlet, 3))
+    writer._signal()
+    wait_until(lambda: peer.read() or len(peer.texts()) >= 2, 10, "both messages")
+    assert peer.texts() == [{"type": "heartbeat"}, {"type": "subscribed", "id": "s"}]
+    assert not outlet.beating
+
+
+def test_heartbeats_from_their_own_thread_never_cut_into_messages() -> None:
+    """Many sockets, heartbeats due at every look, messages offered all the while to sockets
+    read now and then (so some are mid-frame): every frame whole, every message once and in
+    order, heartbeats among them."""
+    writer = Writer(heartbeat_s=0.05)
+    pairs = [socket.socketpair() for _ in range(40)]
+    try:
+        clients, peers = [], []
+        for server, other in pairs:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            clients.append(Client(5000))
+            peers.append(Peer(other))
+            writer.attach(FakeWs(server), clients[-1], lambda _: None)
+            deadline = time.monotonic() + 2
+        sent = 0
+        while time.monotonic() < deadline or sent < 50:
+            for client in clients[sent % 4 :: 4]:  # a quarter of them at a time: others idle
+                assert client.offer(CHANGE % ("x" * 2000, sent), "s")
+            sent += 1
+            if sent % 8:
+                continue  # (peers read now and then: sockets fill, and writes wait)
+            for peer in peers:
+                peer.sock.settimeout(0.001)
+                with contextlib.suppress(TimeoutError, BlockingIOError):
+                    peer.ws.receive_data(peer.sock.recv(1 << 20))
+                    peer.events += list(peer.ws.events())
+        beats = 0
+        for i, peer in enumerate(peers):
+            mine = [n for n in range(sent) if n % 4 == i % 4]
+
+            def arrived(peer: Peer = peer, mine: list[int] = mine) -> bool:
+                peer.read()
+                return len([m for m in peer.texts() if m["type"] == "change"]) >= len(mine)
+
+            wait_until(arrived, 30, f"peer {i}'s changes")
+            texts = peer.texts()
+            got = [int(m["position"].split(".")[0]) for m in texts if m["type"] == "change"]
+            assert got == mine
+            beats += texts.count({"type": "heartbeat"})
+        assert beats > 0
+    finally:
+        writer.stop()
+        for a, b in pairs:
+            a.close()
+            b.close()
