@@ -15,7 +15,14 @@ How it routes (the configuration `LoadBalancer.config` writes):
 - A node being stopped drains: it stops accepting at once (so new connections go elsewhere),
   finishes its requests, and closes its websockets with `1001` (clients reconnect through here
   and resume with `since`).
-- When no node is up at all, the answer is the API's own JSON error shape with `503`."""
+- When no node is up at all, the answer is the API's own JSON error shape with `503`.
+- A client's connection is kept alive; the balancer's to a node is not (`option
+  http-server-close`: a connection per request, on the local network). A node closes an idle
+  kept-alive connection after gunicorn's `keepalive` (2 s), and a balancer reusing one just as
+  the node closes it has no answer to give: for a request it may not send again (a `POST`), it
+  closes the client's connection without one, as the node did, so that the client retries. Found
+  by the cluster's fault tests: a command's client got a dropped connection, not a `201` or a
+  `503`."""
 
 from __future__ import annotations
 
@@ -110,6 +117,7 @@ defaults
     retries 3
     retry-on conn-failure
     option redispatch 1
+    option http-server-close
 {chr(10).join(f"    errorfile {code} {error_pages}/{code}.http" for code in ERROR_PAGES)}
 
 frontend api

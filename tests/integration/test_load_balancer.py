@@ -7,6 +7,7 @@ keep being answered through the balancer once a node is gone."""
 from __future__ import annotations
 
 import http.server
+import itertools
 import threading
 import uuid
 from pathlib import Path
@@ -138,6 +139,58 @@ def test_a_node_lost_mid_request_gets_the_api_s_error_shape_not_the_balancer_s_p
         error = answer.json()["error"]
         assert error["code"] == "node_lost"
         assert "Idempotency-Key" in error["message"]
+    finally:
+        lb.stop()
+        node.shutdown()
+        node.server_close()
+
+
+class _KeepsAlive(http.server.BaseHTTPRequestHandler):
+    """A node that keeps connections alive (HTTP/1.1), and says on how many connections (one
+    handler each) its `POST`s came."""
+
+    protocol_version = "HTTP/1.1"
+    opened = itertools.count()
+    posted_on: set[int] = set()
+
+    def setup(self) -> None:
+        self.number = next(self.opened)
+        super().setup()
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.posted_on.add(self.number)
+        self.do_GET()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_the_balancer_keeps_no_idle_connection_to_a_node_for_a_later_request(
+    tmp_path: Path,
+) -> None:
+    """A node closes an idle kept-alive connection after its `keepalive`; a balancer reusing one
+    as it closes has no answer for a `POST` and drops the client's connection (seen once in
+    the cluster's tests). So each request gets a connection of its own to the node, while the
+    client's own connection to the balancer stays alive."""
+    node = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepsAlive)
+    threading.Thread(target=node.serve_forever, daemon=True).start()
+    lb = LoadBalancer(tmp_path / "lb", free_port(), [node.server_address[1]])
+    lb.start()
+    try:
+        wait_until(lambda: _routable(lb) == {"api1"}, 30, "the balancer to find the node up")
+        with requests.Session() as client:
+            for _ in range(5):
+                answer = client.post(f"{lb.url}/commands/register-customer", json={}, timeout=30)
+                assert answer.status_code == 200, answer.text
+                assert answer.headers.get("Connection", "").lower() != "close"
+        assert len(_KeepsAlive.posted_on) == 5
     finally:
         lb.stop()
         node.shutdown()
