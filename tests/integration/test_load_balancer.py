@@ -6,10 +6,12 @@ keep being answered through the balancer once a node is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import itertools
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,24 @@ def test_with_no_node_up_the_balancer_answers_in_the_api_s_error_shape(tmp_path:
         lb.stop()
 
 
+@contextlib.contextmanager
+def _behind_the_balancer(
+    handler: type[http.server.BaseHTTPRequestHandler], tmp_path: Path
+) -> Iterator[LoadBalancer]:
+    """One stand-in node served by `handler`, behind a balancer that has found it up."""
+    node = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=node.serve_forever, daemon=True).start()
+    lb = LoadBalancer(tmp_path / "lb", free_port(), [node.server_address[1]])
+    lb.start()
+    try:
+        wait_until(lambda: _routable(lb) == {"api1"}, 30, "the balancer to find the node up")
+        yield lb
+    finally:
+        lb.stop()
+        node.shutdown()
+        node.server_close()
+
+
 class _DropsRequests(http.server.BaseHTTPRequestHandler):
     """A node that passes the balancer's health checks and stops before answering anything
     else, as a node killed in the middle of a request does."""
@@ -127,22 +147,13 @@ class _DropsRequests(http.server.BaseHTTPRequestHandler):
 def test_a_node_lost_mid_request_gets_the_api_s_error_shape_not_the_balancer_s_page(
     tmp_path: Path,
 ) -> None:
-    node = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DropsRequests)
-    threading.Thread(target=node.serve_forever, daemon=True).start()
-    lb = LoadBalancer(tmp_path / "lb", free_port(), [node.server_address[1]])
-    lb.start()
-    try:
-        wait_until(lambda: _routable(lb) == {"api1"}, 30, "the balancer to find the node up")
+    with _behind_the_balancer(_DropsRequests, tmp_path) as lb:
         answer = requests.post(f"{lb.url}/commands/register-customer", json={}, timeout=30)
         assert answer.status_code == 502, answer.text
         assert answer.headers["Content-Type"] == "application/json"
         error = answer.json()["error"]
         assert error["code"] == "node_lost"
         assert "Idempotency-Key" in error["message"]
-    finally:
-        lb.stop()
-        node.shutdown()
-        node.server_close()
 
 
 class _KeepsAlive(http.server.BaseHTTPRequestHandler):
@@ -179,19 +190,9 @@ def test_the_balancer_keeps_no_idle_connection_to_a_node_for_a_later_request(
     as it closes has no answer for a `POST` and drops the client's connection (seen once in
     the cluster's tests). So each request gets a connection of its own to the node, while the
     client's own connection to the balancer stays alive."""
-    node = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepsAlive)
-    threading.Thread(target=node.serve_forever, daemon=True).start()
-    lb = LoadBalancer(tmp_path / "lb", free_port(), [node.server_address[1]])
-    lb.start()
-    try:
-        wait_until(lambda: _routable(lb) == {"api1"}, 30, "the balancer to find the node up")
-        with requests.Session() as client:
-            for _ in range(5):
-                answer = client.post(f"{lb.url}/commands/register-customer", json={}, timeout=30)
-                assert answer.status_code == 200, answer.text
-                assert answer.headers.get("Connection", "").lower() != "close"
-        assert len(_KeepsAlive.posted_on) == 5
-    finally:
-        lb.stop()
-        node.shutdown()
-        node.server_close()
+    with _behind_the_balancer(_KeepsAlive, tmp_path) as lb, requests.Session() as client:
+        for _ in range(5):
+            answer = client.post(f"{lb.url}/commands/register-customer", json={}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers.get("Connection", "").lower() != "close"
+    assert len(_KeepsAlive.posted_on) == 5
