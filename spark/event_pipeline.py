@@ -114,14 +114,22 @@ class EventPipeline:
     def realtime(self) -> bool:
         """Whether the live path runs in real-time mode: it has one, it is wanted, not failing
         on its own, and Spark has the task slots `realtime_slots` counts."""
-        if self.realtime_mode is None:
-            self.micro_batches_why = "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
-            return False
-        need = realtime_partitions(self.settings, self.projections) + 2
-        self.micro_batches_why = realtime_refusal(
-            self.spark, self.settings, "events", self.realtime_failures, need
-        )
+        self.micro_batches_why = self.refusal()
+        if self.micro_batches_why is not None:
+            log.warning("folding events in micro-batches: %s", self.micro_batches_why)
         return self.micro_batches_why is None
+
+    def refusal(self) -> str | None:
+        """Why the live path may not run in real-time mode now; None when it may."""
+        if self.realtime_mode is None:
+            return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
+        need = realtime_partitions(self.settings, self.projections) + 2
+        return realtime_refusal(self.spark, self.settings, self.realtime_failures, need)
+
+    def realtime_again(self) -> bool:
+        """Whether its query folds in micro-batches though it may run in real-time mode now:
+        it lacked task slots when it started, and Spark has them again (a worker came back)."""
+        return self.micro_batches_why is not None and self.refusal() is None
 
     def checkpoint(self) -> str:
         """A fresh checkpoint for a query's start, or Spark would resume from its own offsets
@@ -230,28 +238,24 @@ def failures_after(previous: Running | None, failures: int) -> int:
 
 
 def realtime_refusal(
-    spark: SparkSession, settings: Settings, fold: str, failures: int, need: int
+    spark: SparkSession, settings: Settings, failures: int, need: int
 ) -> str | None:
-    """Why a live path (`fold`: events, joins) may not run in real-time mode, or None when it
-    may: it is wanted, its query is not failing on its own (`failures` starts in a row, fewer
-    than MAX_REALTIME_FAILURES), and Spark has the `need`ed task slots. Logs why not."""
+    """Why a live path may not run in real-time mode, or None when it may: it is wanted, its
+    query is not failing on its own (`failures` starts in a row, fewer than
+    MAX_REALTIME_FAILURES), and Spark has the `need`ed task slots."""
     if not settings.spark_realtime:
         return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
     if failures >= MAX_REALTIME_FAILURES:
-        why = (
+        return (
             f"the real-time query failed {failures} times in a row on its own (see the "
             "projector's errors); it tries real-time mode again when it restarts"
         )
-        log.warning("folding %s in micro-batches: %s", fold, why)
-        return why
     have = available_slots(spark)
     if have < need:
-        why = (
+        return (
             f"real-time mode needs {need} task slots (one per partition read, two more for "
             f"other jobs) and Spark has {have}"
         )
-        log.warning("folding %s in micro-batches: %s", fold, why)
-        return why
     return None
 
 

@@ -379,16 +379,23 @@ class JoinPipeline:
         log.warning("join %s rebuilt: %s rows", join.name, report.rows.get(join.name))
 
     def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode (`realtime_refusal`): its query needs
-        a task slot per changelog read besides the ones other real-time queries hold."""
-        if self.realtime_mode is None:
-            self.micro_batches_why = "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
-            return False
-        need = self.beside + len(self.tables) + 2
-        self.micro_batches_why = realtime_refusal(
-            self.spark, self.settings, "joins", self.realtime_failures, need
-        )
+        """Whether the live path runs in real-time mode (`refusal`)."""
+        self.micro_batches_why = self.refusal()
+        if self.micro_batches_why is not None:
+            log.warning("folding joins in micro-batches: %s", self.micro_batches_why)
         return self.micro_batches_why is None
+
+    def refusal(self) -> str | None:
+        """Why the live path may not run in real-time mode now (`realtime_refusal`): its query
+        needs a task slot per changelog read besides the ones other real-time queries hold."""
+        if self.realtime_mode is None:
+            return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
+        need = self.beside + len(self.tables) + 2
+        return realtime_refusal(self.spark, self.settings, self.realtime_failures, need)
+
+    def realtime_again(self) -> bool:
+        """As `EventPipeline.realtime_again`: in micro-batches for want of slots that are back."""
+        return self.micro_batches_why is not None and self.refusal() is None
 
     def start(self) -> Running:
         """Start the live pipeline from the joins' progress (a restart resumes the same way):

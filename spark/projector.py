@@ -46,12 +46,17 @@ from spark.status import StatusBeat
 log = logging.getLogger(__name__)
 
 MAX_PAUSE_S = 30.0
+# How often a query folding in micro-batches for want of task slots looks whether Spark has
+# them again (a worker came back), to start again in real-time mode.
+SLOTS_LOOK_S = 5.0
 
 
 class Pipeline(Protocol):
     micro_batches_why: str | None  # why it folds in micro-batches; None: in real-time mode
 
     def start(self) -> Running: ...
+
+    def realtime_again(self) -> bool: ...  # in micro-batches, though real-time mode may run now
 
 
 SCRATCH_PREFIX = "logfold-projector-"
@@ -166,8 +171,12 @@ class Projector:
         self.rebuilder.start()
         failures: dict[str, int] = {}
         restart_at: dict[str, float] = {}
+        slots_look_at = time.monotonic() + SLOTS_LOOK_S
         try:
             while not self._stopping.wait(0.5):
+                if time.monotonic() >= slots_look_at:
+                    slots_look_at = time.monotonic() + SLOTS_LOOK_S
+                    self.back_to_realtime()
                 for name, query in list(self.queries.items()):
                     if query.isActive:
                         continue
@@ -194,6 +203,18 @@ class Projector:
             for query in self.queries.values():
                 query.stop()
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def back_to_realtime(self) -> None:
+        """Start again, in real-time mode, each query that folds in micro-batches only for
+        want of task slots Spark has now. It resumes from the projections' progress, as any
+        restart does, so nothing is lost or applied twice."""
+        for name, pipeline in self.pipelines.items():
+            query = self.queries.get(name)
+            if query is None or not query.isActive or not pipeline.realtime_again():
+                continue
+            log.warning("Spark has the task slots again: %s goes back to real-time mode", name)
+            query.stop()
+            self.start(name)
 
     def stop(self) -> None:
         self._stopping.set()

@@ -72,17 +72,27 @@ class SparkStandalone:
             ),
         )
 
-    def start_worker(self, i: int) -> None:
+    def start_worker(self, i: int, cores: int | None = None) -> None:
+        """Start worker `i` (again), declaring `cores` task slots (the cluster's own count if
+        None), without waiting for it."""
         work = self.data_dir / f"worker-{i}"
         work.mkdir(parents=True, exist_ok=True)
+        slots = str(cores or self.cores)
         self.workers[i] = self._spawn(
             f"worker-{i}",
             _spark_class(
                 "org.apache.spark.deploy.worker.Worker",
-                *("--host", "127.0.0.1", "--cores", str(self.cores), "--memory", self.memory),
+                *("--host", "127.0.0.1", "--cores", slots, "--memory", self.memory),
                 *("--webui-port", str(free_port()), "--work-dir", str(work), self.url),
             ),
         )
+
+    def add_worker(self, cores: int) -> int:
+        """Start one more worker, declaring `cores` task slots, without waiting for it; its
+        number (for `kill_worker`)."""
+        self.workers.append(None)
+        self.start_worker(len(self.workers) - 1, cores)
+        return len(self.workers) - 1
 
     def kill_worker(self, i: int) -> None:
         """`kill -9` worker `i` (its executors, children of it, go with it)."""

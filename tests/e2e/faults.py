@@ -221,6 +221,12 @@ class Cluster:
         assert r.status_code == 200, r.text
         return dict(r.json())
 
+    def projector_modes(self) -> dict[str, str]:
+        """Each query of the projector and its mode, as `/health` has them."""
+        health = requests.get(f"{self.stack.base}/health", headers=self.auth, timeout=30)
+        queries = health.json()["components"].get("projector", {}).get("queries", {})
+        return {name: q.get("why", q["mode"]) for name, q in queries.items()}
+
     def freshness(self, customer: str, n: int, run: str) -> float:
         """Seconds from a command's `201` to the view including it (read with the position it
         answered), through the balancer."""

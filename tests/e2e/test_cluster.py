@@ -213,10 +213,19 @@ def test_kill_9_of_a_spark_worker(faults: Cluster) -> None:
             streak.append(took)
             return len(streak) >= 3 and all(t <= normal for t in streak[-3:])
 
-        wait_until(fresh_again, FRESHNESS_BOUND_S, f"reads as fresh as before ({normal:.2f} s)")
+        try:
+            wait_until(fresh_again, FRESHNESS_BOUND_S, f"reads as fresh as before ({normal:.2f} s)")
+        except TimeoutError as e:
+            said = [ln for ln in faults.stack.output if ln.startswith("projector")]
+            raise AssertionError(
+                f"{e}; freshness since the kill (s): {[round(t, 2) for t in streak]}\n"
+                f"--- the projector's modes: {faults.projector_modes()}\n"
+                f"--- what the projector said:\n{''.join(said[-40:])}"
+            ) from e
         return (
             f"kill -9 of Spark worker 1: freshness {before[-1]:.2f} s before, back under "
-            f"{normal:.2f} s {time.monotonic() - killed:.0f} s after the kill"
+            f"{normal:.2f} s {time.monotonic() - killed:.0f} s after the kill "
+            f"(projector: {faults.projector_modes()})"
         )
 
     under_load(faults, inject)

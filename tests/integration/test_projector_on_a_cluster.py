@@ -3,7 +3,8 @@ run --cluster` starts it) whose one worker has fewer task slots than real-time m
 projector folds in micro-batches on its own and `/health` says so and why; the views stay
 exactly the log's fold. When the worker is killed (`kill -9`), `/health` reports the projector
 down for want of executors within seconds, though no view lags yet; a command posted meanwhile
-is accepted, and reaches its view once a worker is back."""
+is accepted, and reaches its view once a worker is back. When a second worker brings the
+slots, the queries go back to real-time mode on their own, and lose and double nothing."""
 
 from __future__ import annotations
 
@@ -97,8 +98,19 @@ def test_a_projector_on_too_few_slots_folds_in_micro_batches_and_health_sees_its
         wait_until(lambda: _projector(api).get("status") == "up", 120, "the projector back up")
         bo = second.body["aggregate_id"]
         wait_until(lambda: _in_view(api, bo, second.body["position"]), 120, "Bo in the view")
+
+        cluster.add_worker(status["slots_needed"])
+
+        def modes() -> set[str]:
+            return {q["mode"] for q in _projector(api)["queries"].values()}
+
+        wait_until(lambda: modes() == {"real-time"}, 120, "every query back in real-time mode")
+        third = api.command("register-customer", {"name": "Cy", "email": "cy@example.com"})
+        assert third.status == 201, third.body
+        cy = third.body["aggregate_id"]
+        wait_until(lambda: _in_view(api, cy, third.body["position"]), 60, "Cy in the view")
         rows = api.get("/views/customers", headers=_auth(api)).json()["rows"]
-        assert sorted(r["customer_id"] for r in rows) == sorted([ada, bo])
+        assert sorted(r["customer_id"] for r in rows) == sorted([ada, bo, cy])
         assert all(r["version"] == 1 for r in rows)
     finally:
         procs.stop()
