@@ -140,11 +140,13 @@ class EventPipeline:
         """Start the live pipeline from the projections' progress (a restart resumes the
         same way): in real-time mode when it can (`realtime_mode`), else in micro-batches."""
         names = [p.name for p in self.projections]
+        first = self.sink is None
         if self.sink is not None:
             self.sink.db.close()
         self.sink = EventSink(self.projections, self.settings)
         full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
-        self.sink.warm(self.spark)
+        if first:  # a restart finds the JVM warm: warming it again only delays the views
+            self.sink.warm(self.spark)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             for name in names:
                 ensure_progress(conn, name)

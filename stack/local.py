@@ -54,7 +54,7 @@ PROJECTOR_START_S = 300
 STOP_S = 30.0
 # The cluster topology's sizes (`logfold run --cluster`).
 CLUSTER_BROKERS = 3
-CLUSTER_WORKERS = 2
+CLUSTER_WORKERS = 2  # each with every slot the projector needs (`worker_slots`)
 CLUSTER_API_NODES = 2
 CLUSTER_PROCESSORS = 2
 # A child that exits is started again (as a process supervisor would: CDC holds the one
@@ -137,6 +137,17 @@ def secret_for(settings: Settings) -> str:
     return check_secret(settings.jwt_secret)
 
 
+def worker_slots(settings: Settings) -> int:
+    """The task slots each Spark worker of the cluster declares: all that the projector's
+    real-time queries need (`realtime_slots`), so that either worker alone holds them. A
+    worker lost then moves its tasks to the other at once; with fewer, they wait until a
+    worker comes back (a minute or more), and the partitions they read wait with them."""
+    from projections.registry import JOINS, PROJECTIONS
+    from spark.event_pipeline import realtime_slots  # (Spark's Python modules: loaded only here)
+
+    return realtime_slots(settings, list(PROJECTIONS.values()), list(JOINS.values()))
+
+
 class LocalStack:
     def __init__(
         self, settings: Settings, say: Callable[[str], object] = log.info, cluster: bool = False
@@ -187,7 +198,7 @@ class LocalStack:
             s.kafka_bootstrap_servers = self.kafka.bootstrap
         if self.cluster and "spark_master" not in s.model_fields_set:
             self.say(f"starting Spark: a standalone master and {CLUSTER_WORKERS} workers")
-            self.spark = SparkStandalone(data / "spark", workers=CLUSTER_WORKERS)
+            self.spark = SparkStandalone(data / "spark", CLUSTER_WORKERS, worker_slots(s))
             self.spark.start()
             s.spark_master = self.spark.url
             spark = self.spark

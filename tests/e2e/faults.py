@@ -25,6 +25,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 
+from commands.messages import LogPosition
 from config.settings import Settings, kafka_fetch_bounds
 from config.topics import Topics
 from stack.local_lb import LoadBalancer
@@ -220,6 +221,24 @@ class Cluster:
         )
         assert r.status_code == 200, r.text
         return dict(r.json())
+
+    def one_per_partition(self, run: str) -> list[str]:
+        """Customers registered until one sits on each partition (from their answers'
+        positions): what a freshness that covers every partition reads."""
+        api = Clients([self.stack.base], self.token).api(self.stack.base)
+        found: dict[int, str] = {}
+        for i in range(16 * self.settings.partitions):
+            if len(found) == self.settings.partitions:
+                return list(found.values())
+            a = api.command(
+                "register-customer",
+                {"name": f"fresh {run}", "email": f"{run}-{i}@example.com"},
+                key=f"{run}-{i}",
+            )
+            assert a.status == 201, a.body
+            partition = LogPosition.parse(a.body["position"]).partition
+            found.setdefault(partition, a.body["aggregate_id"])
+        raise AssertionError(f"no customer registered on some partitions: {sorted(found)}")
 
     def projector_modes(self) -> dict[str, str]:
         """Each query of the projector and its mode, as `/health` has them."""

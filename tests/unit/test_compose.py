@@ -273,21 +273,21 @@ def test_the_projector_runs_on_the_spark_standalone_master(compose: dict[str, An
     assert master["entrypoint"] == ["spark-class"]
     assert master["command"][0] == "org.apache.spark.deploy.master.Master"
     assert master["image"] == services["projector"]["image"]  # the image's own pyspark
-    slots = 0
+    slots = []
     for name in SPARK - {"spark-master"}:
         worker = services[name]["command"]
         assert worker[0] == "org.apache.spark.deploy.worker.Worker"
         assert worker[-1] == "spark://spark-master:7077"
-        slots += int(worker[worker.index("--cores") + 1])
+        slots.append(int(worker[worker.index("--cores") + 1]))
     projector = services["projector"]
     assert projector["environment"]["LOGFOLD_SPARK_MASTER"] == "spark://spark-master:7077"
     assert "spark-master" in projector["depends_on"]
-    # Enough task slots for the real-time queries of the default deployment.
+    # Enough task slots for the real-time queries of the default deployment after losing
+    # either worker (as `logfold run --cluster` sizes its own: stack.local.worker_slots).
     from config.settings import Settings
-    from projections.registry import JOINS, PROJECTIONS
-    from spark.event_pipeline import realtime_slots
+    from stack.local import worker_slots
 
-    assert slots >= realtime_slots(Settings(), list(PROJECTIONS.values()), list(JOINS.values()))
+    assert len(slots) >= 2 and min(slots) >= worker_slots(Settings())
 
 
 def test_the_balancer_routes_to_both_api_nodes_as_the_local_one_does(
