@@ -87,13 +87,6 @@ class SparkStandalone:
             ),
         )
 
-    def add_worker(self, cores: int) -> int:
-        """Start one more worker, declaring `cores` task slots, without waiting for it; its
-        number (for `kill_worker`)."""
-        self.workers.append(None)
-        self.start_worker(len(self.workers) - 1, cores)
-        return len(self.workers) - 1
-
     def kill_worker(self, i: int) -> None:
         """`kill -9` worker `i` (its executors, children of it, go with it)."""
         proc = self.workers[i]

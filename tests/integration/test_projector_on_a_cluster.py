@@ -3,8 +3,8 @@ run --cluster` starts it) whose one worker has fewer task slots than real-time m
 projector folds in micro-batches on its own and `/health` says so and why; the views stay
 exactly the log's fold. When the worker is killed (`kill -9`), `/health` reports the projector
 down for want of executors within seconds, though no view lags yet; a command posted meanwhile
-is accepted, and reaches its view once a worker is back. When a second worker brings the
-slots, the queries go back to real-time mode on their own, and lose and double nothing."""
+is accepted, and reaches its view once the worker is back; it comes back with the slots, and
+the queries go back to real-time mode on their own, losing and doubling nothing."""
 
 from __future__ import annotations
 
@@ -94,12 +94,11 @@ def test_a_projector_on_too_few_slots_folds_in_micro_batches_and_health_sees_its
         assert second.status == 201, second.body
         assert not _in_view(api, second.body["aggregate_id"], second.body["position"])
 
-        cluster.start_worker(0)
+        # The worker comes back with the slots real-time mode needs.
+        cluster.start_worker(0, cores=status["slots_needed"])
         wait_until(lambda: _projector(api).get("status") == "up", 120, "the projector back up")
         bo = second.body["aggregate_id"]
         wait_until(lambda: _in_view(api, bo, second.body["position"]), 120, "Bo in the view")
-
-        cluster.add_worker(status["slots_needed"])
 
         def modes() -> set[str]:
             return {q["mode"] for q in _projector(api)["queries"].values()}
