@@ -139,13 +139,19 @@ class PartitionOwner:
             request_timeout_ms=int(settings.kafka_timeout_s * 1000),
             delivery_timeout_ms=int(settings.kafka_timeout_s * 1000) + 1000,
         )
-        # Fences any previous owner of this partition and aborts its open transaction.
-        self.producer.init_transactions()
         self.resume_at: int | None = None  # the next command to process, if ever recorded
         self.next_offset: dict[str, int] = {}
-        # Its subjects' keys (guarantee 27): each is this partition's alone, as its commands.
-        self.keys = KeyStore(settings.database())
-        self.state = self._restore()
+        try:
+            # Fences any previous owner of this partition and aborts its open transaction.
+            self.producer.init_transactions()
+            # Its subjects' keys (guarantee 27): each is this partition's alone, as its commands.
+            self.keys = KeyStore(settings.database())
+            self.state = self._restore()
+        except BaseException:
+            # Not left behind: its sender would go on asking for the transactional id, and
+            # fence (or abort the transaction of) the next owner that claims the partition.
+            close_within(self.producer, 5)
+            raise
 
     def _restore(self) -> PartitionState:
         """Read this partition's committed write-model state, where its processing resumes and
@@ -200,29 +206,36 @@ class PartitionOwner:
         command offset, now committed."""
         self.producer.begin_transaction()
         try:
-            expected: list[tuple[Any, int]] = []  # (the send's future, the offset it must get)
+            # Every send's future, with the offset it must get (an event's) or None: each is
+            # checked before the commit, since kafka-python does not fail a transaction for
+            # every send that failed (a snapshot or a resume point lost from a committed
+            # transaction would make a restart decide from an older state).
+            expected: list[tuple[Any, int | None]] = []
             decided = [self._decide(r, refs, expected) for r in records]
             pending = [d for d in decided if d is not None]
-            self._snapshot({(m.aggregate_type, m.aggregate_id) for m, o in pending if o.events})
+            changed = {(m.aggregate_type, m.aggregate_id) for m, o in pending if o.events}
+            expected += [(f, None) for f in self._snapshot(changed)]
             replies: dict[str, list[Reply]] = {}
             for msg, outcome in pending:
                 status = 200 if outcome.replay else outcome.status
                 reply = Reply(msg.command_id, status, outcome.body, outcome.replay)
                 replies.setdefault(msg.reply_to, []).append(reply)
             for reply_to, batch in replies.items():  # one record per API process
-                self.producer.send(
+                reply = self.producer.send(
                     self.topics.replies,
                     key=reply_to.encode(),
                     value=Reply.encode_many(batch),
                     partition=partition_for(reply_to, self.settings.partitions),
                 )
+                expected.append((reply, None))
             next_command: int = records[-1].offset + 1
-            self.producer.send(
+            resume = self.producer.send(
                 self.topics.command_offsets,
                 key=str(self.partition).encode(),
                 value=dumps({"next_offset": next_command}),
                 partition=self.partition,
             )
+            expected.append((resume, None))
             # Bounded, as every wait here: a send the broker does not acknowledge fails the
             # transaction (the delivery timeout), but a producer whose sender is stuck (a
             # coordinator gone with its broker) would keep the partition's commands waiting.
@@ -231,6 +244,8 @@ class PartitionOwner:
             touched = set()
             for future, offset in expected:
                 got = future.get(timeout=wait)
+                if offset is None:
+                    continue
                 if got.offset != offset:
                     raise OffsetsMoved(
                         f"{got.topic}[{got.partition}] gave offset {got.offset}, not {offset}: "
@@ -253,7 +268,7 @@ class PartitionOwner:
             raise
 
     def _decide(
-        self, record: ConsumerRecord, refs: References, expected: list[tuple[Any, int]]
+        self, record: ConsumerRecord, refs: References, expected: list[tuple[Any, int | None]]
     ) -> Decided | None:
         try:
             msg = CommandMessage.decode(record.value)
@@ -279,12 +294,13 @@ class PartitionOwner:
             outcome.body["position"] = position.token()
             if msg.idempotency_key is not None:
                 record_ = self.state.idempotency[msg.idempotency_key]  # recorded by handle()
-                self.producer.send(
+                sent = self.producer.send(
                     self.topics.idempotency,
                     key=msg.idempotency_key.encode(),
                     value=dumps(record_),
                     partition=self.partition,
                 )
+                expected.append((sent, None))
         return msg, outcome
 
     def _commit(self) -> None:
@@ -294,15 +310,20 @@ class PartitionOwner:
         the one case where a 504 was applied after all."""
         commit_within(self.producer, self.settings.kafka_timeout_s)
 
-    def _snapshot(self, touched: set[tuple[str, str]]) -> None:
+    def _snapshot(self, touched: set[tuple[str, str]]) -> list[Any]:
+        """Send the snapshot of each aggregate `touched`; returns the sends' futures."""
+        futures = []
         for agg_type, agg_id in touched:
             snap = self.state.aggregates[(agg_type, agg_id)].snapshot(agg_type, agg_id)
-            self.producer.send(
-                self.topics.snapshots,
-                key=f"{agg_type}:{agg_id}".encode(),
-                value=dumps(snap),
-                partition=self.partition,
+            futures.append(
+                self.producer.send(
+                    self.topics.snapshots,
+                    key=f"{agg_type}:{agg_id}".encode(),
+                    value=dumps(snap),
+                    partition=self.partition,
+                )
             )
+        return futures
 
     def close(self) -> None:
         close_within(self.producer, 5)

@@ -259,6 +259,9 @@ def append_events(
         bootstrap_servers=settings.kafka(),
         transactional_id=f"test-{uuid.uuid4()}" if transactional else None,
         acks="all",
+        # kafka-python gives a broker 2 s to answer its first request, then raises
+        # NoBrokersAvailable: too little beside a Spark driver starting on a loaded machine.
+        api_version_auto_timeout_ms=30_000,
     )
     if transactional:
         producer.init_transactions()

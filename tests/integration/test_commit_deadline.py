@@ -14,12 +14,15 @@ import threading
 import time
 import uuid
 from collections import Counter
+from typing import Any
 
 import pytest
 from flask import Flask
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.errors import KafkaTimeoutError
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 
 from app import close_app, create_app
 from commands.messages import CommandMessage, Reply
@@ -141,18 +144,12 @@ def test_a_frozen_broker_never_applies_a_command_answered_504(
     assert_no_504_applied(settings, load.answers, "broker")
 
 
-def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Settings) -> None:
-    """A command decided in time whose records are acknowledged only past its deadline (a
-    stall the freezes above cannot make alone: a longer one times the requests out): its
-    transaction is aborted, not committed, and the command, decided again, expires."""
-    settings = new_deployment(base_settings)
+def registration(settings: Settings, name: str) -> tuple[CommandMessage, ConsumerRecord]:
+    """A `register-customer` command for a new customer `name`, in the commands topic: the
+    message and its record, as a processor would poll it."""
     topics = Topics(settings.topic_prefix)
-    name = f"late-{uuid.uuid4().hex[:8]}"
     aggregate_id = f"customer-{name}"
     p = partition_for(aggregate_id, settings.partitions)
-    owner = PartitionOwner(settings, topics, p)
-    replica = SnapshotReplica(settings.kafka(), topics.snapshots)
-    refs = References({p: owner}, replica, settings.partitions)
     msg = CommandMessage(
         command_id=str(uuid.uuid4()),
         name="register-customer",
@@ -169,6 +166,19 @@ def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Setting
     producer.send(topics.commands, msg.encode(), aggregate_id.encode(), partition=p).get(30)
     producer.close()
     [record] = read_to_end(settings.kafka(), topics.commands, [p])
+    return msg, record
+
+
+def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Settings) -> None:
+    """A command decided in time whose records are acknowledged only past its deadline (a
+    stall the freezes above cannot make alone: a longer one times the requests out): its
+    transaction is aborted, not committed, and the command, decided again, expires."""
+    settings = new_deployment(base_settings)
+    topics = Topics(settings.topic_prefix)
+    msg, record = registration(settings, f"late-{uuid.uuid4().hex[:8]}")
+    owner = PartitionOwner(settings, topics, record.partition)
+    replica = SnapshotReplica(settings.kafka(), topics.snapshots)
+    refs = References({record.partition: owner}, replica, settings.partitions)
     flush = owner.producer.flush
 
     def slow_flush(timeout: float | None = None) -> None:
@@ -206,6 +216,36 @@ def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Setting
         processing.join(timeout=60)
     assert [a.status for a in answers] == [504], answers
     assert not log_of(settings, "customer")
+
+
+def test_a_send_that_failed_alone_fails_its_transaction(base_settings: Settings) -> None:
+    """kafka-python can fail one send without failing the transaction (a send refused before
+    it was queued, an unknown producer id): a transaction whose snapshot was never written
+    must not commit its events, or a restart would decide from the older snapshot."""
+    settings = new_deployment(base_settings)
+    topics = Topics(settings.topic_prefix)
+    _, record = registration(settings, f"lost-{uuid.uuid4().hex[:8]}")
+    owner = PartitionOwner(settings, topics, record.partition)
+    replica = SnapshotReplica(settings.kafka(), topics.snapshots)
+    refs = References({record.partition: owner}, replica, settings.partitions)
+    send = owner.producer.send
+
+    def losing_snapshots(topic: str, *args: Any, **kwargs: Any) -> Any:
+        if topic != topics.snapshots:
+            return send(topic, *args, **kwargs)
+        # What kafka-python's own `send` returns for a record it could not queue.
+        lost = FutureRecordMetadata(FutureProduceResult(None), -1, None, None, -1, -1, -1)
+        return lost.failure(KafkaError("the snapshot was lost"))
+
+    owner.producer.send = losing_snapshots  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KafkaError, match="the snapshot was lost"):
+            owner.process([record], refs)
+    finally:
+        owner.close()
+        replica.close()
+    assert not log_of(settings, "customer")
+    assert not list(read_to_end(settings.kafka(), topics.snapshots, [record.partition]))
 
 
 def test_an_abort_the_coordinator_does_not_answer_is_given_up_not_waited_for(
