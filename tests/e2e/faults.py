@@ -7,6 +7,8 @@ views and the clients hold once the fault is over."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import threading
 import time
 from collections import Counter, defaultdict
@@ -15,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -41,7 +44,7 @@ from tests.integration.load import (
     until_answered,
     version_problems,
 )
-from tests.support import caught_up, cmdline, descendants, kill_tree, log_of
+from tests.support import REPO, caught_up, cmdline, descendants, kill_tree, log_of
 from tests.wsclient import WsClient, fold
 
 RATE = 20  # commands a second, whatever the answers (open loop)
@@ -331,13 +334,21 @@ class OpenLoop:
 
 
 class VersionsNotDense(AssertionError):
-    """A customer's versions in the log have a gap or a duplicate (guarantee 2)."""
+    """A customer's versions in the log have a gap or a duplicate (guarantee 2). `around`: per
+    partition of the customers' topic, the first and last offset of those customers' records."""
+
+    def __init__(self, said: list[str], around: dict[int, tuple[int, int]]) -> None:
+        super().__init__(said)
+        self.around = around
 
 
-def where_versions_are(settings: Settings, log: list[Any]) -> list[str]:
+def where_versions_are(
+    settings: Settings, log: list[Any]
+) -> tuple[list[str], dict[int, tuple[int, int]]]:
     """For each aggregate whose versions are not dense: every record of it in the topic, read
     uncommitted, with its partition and offset, and whether a committed read sees it. Says
-    whether a missing version was written and aborted, or never written (or lost)."""
+    whether a missing version was written and aborted, or never written (or lost). Also: per
+    partition, the first and last offset of those records (`VersionsNotDense.around`)."""
     dense: dict[str, list[int]] = defaultdict(list)
     for e in log:
         dense[e.aggregate_id].append(e.version)
@@ -350,6 +361,7 @@ def where_versions_are(settings: Settings, log: list[Any]) -> list[str]:
         **kafka_fetch_bounds(),
     )
     found: dict[str, list[str]] = defaultdict(list)
+    offsets: dict[int, list[int]] = defaultdict(list)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
         consumer.assign(tps)
@@ -363,9 +375,50 @@ def where_versions_are(settings: Settings, log: list[Any]) -> list[str]:
                     if agg in broken:
                         seen = "committed" if int(version) in dense[agg] else "NOT COMMITTED"
                         found[agg].append(f"v{version}@{r.partition}:{r.offset} {seen}")
+                        offsets[r.partition].append(r.offset)
     finally:
         consumer.close()
-    return [f"{agg} in the topic: {', '.join(found[agg])}" for agg in sorted(broken)]
+    said = [f"{agg} in the topic: {', '.join(found[agg])}" for agg in sorted(broken)]
+    return said, {p: (min(os), max(os)) for p, os in offsets.items()}
+
+
+BATCH = re.compile(r"^baseOffset: (\d+) lastOffset: (\d+) ")
+RECORD = re.compile(r"^\| offset: (\d+) ")
+
+
+def log_batches(
+    kafka_dir: Path, topic: str, around: dict[int, tuple[int, int]], margin: int = 20
+) -> list[str]:
+    """What each Kafka node under `kafka_dir` (`node-<id>/log`) holds of `topic` around those
+    offsets, read from its files by the broker's own DumpLogSegments: each batch's producer id
+    and epoch, transactional or not, and each control record's COMMIT or ABORT marker. Says
+    whether a record a committed read does not see was aborted, or committed and not read,
+    and whether the nodes agree."""
+    said = []
+    for partition, (first, last) in sorted(around.items()):
+        low, high = first - margin, last + margin
+        for node in sorted(kafka_dir.glob("node-*")):
+            files = sorted((node / "log" / f"{topic}-{partition}").glob("*.log"))
+            if not files:
+                continue
+            jars = f"{REPO / '.stack' / 'lib' / 'kafka'}/*"
+            segments = ",".join(str(f) for f in files)
+            dump = ["kafka.tools.DumpLogSegments", "--print-data-log", "--files", segments]
+            out = subprocess.run(
+                ["java", "-cp", jars, *dump],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            said.append(f"--- {node.name}, {topic}-{partition}, offsets {low}..{high}:")
+            for line in out.stdout.splitlines():
+                batch, record = BATCH.match(line), RECORD.match(line)
+                span = (int(batch[1]), int(batch[2])) if batch else None
+                if record:
+                    span = (int(record[1]), int(record[1]))
+                if span is not None and span[1] >= low and span[0] <= high:
+                    said.append(line[:240])
+    return said
 
 
 def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
@@ -377,7 +430,8 @@ def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
     ours = {e.aggregate_id for e in everything if e.data.get("email", "").startswith(f"{run}-")}
     log = [e for e in everything if e.aggregate_id in ours]
     if problems := version_problems(log):
-        raise VersionsNotDense(problems[:10] + where_versions_are(settings, log))
+        said, around = where_versions_are(settings, log)
+        raise VersionsNotDense(problems[:10] + said, around)
     by_email: dict[str, list[Any]] = defaultdict(list)
     for e in log:
         if "email" in e.data:

@@ -24,6 +24,7 @@ import pytest
 import requests
 from kafka.admin import KafkaAdminClient
 
+from config.topics import Topics
 from stack.procs import port_open, wait_until
 from tests.e2e.faults import (
     RATE,
@@ -34,6 +35,7 @@ from tests.e2e.faults import (
     check_commands,
     check_followers,
     followed,
+    log_batches,
 )
 from tests.e2e.test_local_stack import RunningStack
 from tests.oracle import differences
@@ -151,8 +153,11 @@ def under_load(
         except AssertionError as e:
             if broker_fault and isinstance(e, VersionsNotDense):
                 said = [ln for ln in cluster.stack.output if ln.startswith("processor")]
+                topic = Topics(cluster.settings.topic_prefix).events("customer")
+                held = log_batches(cluster.stack.data_dir / "cluster" / "kafka", topic, e.around)
                 pytest.xfail(
                     f"{BROKER_GAP}: {e}\n--- what the processors said:\n{''.join(said[-60:])}"
+                    "--- what each Kafka node holds there:\n" + "\n".join(held)
                 )
             raise AssertionError(f"{e}\n--- the stack's last lines:\n{cluster.stack.tail()}") from e
         resumed = [f.resumed for f in followers]
