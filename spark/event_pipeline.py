@@ -30,7 +30,7 @@ import logging
 import tempfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import psycopg
 from pyspark.sql import SparkSession
@@ -58,8 +58,48 @@ MAX_RECORDS_PER_BATCH = 200_000
 MAX_REALTIME_FAILURES = 3
 
 
-class EventPipeline:
+class LivePath:
+    """How a live pipeline (EventPipeline's, JoinPipeline's) chooses between Spark's
+    real-time mode and micro-batches each time its query starts, and when it may switch back
+    (`realtime_again`). `slots_needed` is each pipeline's own."""
+
+    folds: ClassVar[str]  # what its query folds, for its log lines
+    spark: SparkSession
+    settings: Settings
+    realtime_failures: int  # real-time starts in a row whose query failed on its own
+    # Why the running query folds in micro-batches (None: it runs in real-time mode); the
+    # projector's status (spark/status.py) shows it.
+    micro_batches_why: str | None
+
+    def slots_needed(self) -> int | None:
+        """The task slots its real-time query needs; None: it has no real-time mode."""
+        raise NotImplementedError
+
+    def realtime(self) -> bool:
+        """Whether the live path runs in real-time mode: it has one, it is wanted, not failing
+        on its own, and Spark has the task slots it needs (`refusal`)."""
+        self.micro_batches_why = self.refusal()
+        if self.micro_batches_why is not None:
+            log.warning("folding %s in micro-batches: %s", self.folds, self.micro_batches_why)
+        return self.micro_batches_why is None
+
+    def refusal(self) -> str | None:
+        """Why the live path may not run in real-time mode now; None when it may."""
+        need = self.slots_needed()
+        if need is None:
+            return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
+        return realtime_refusal(self.spark, self.settings, self.realtime_failures, need)
+
+    def realtime_again(self) -> bool:
+        """Whether its query folds in micro-batches though it may run in real-time mode now:
+        it lacked task slots when it started, and Spark has them again (a worker came back)."""
+        return self.micro_batches_why is not None and self.refusal() is None
+
+
+class EventPipeline(LivePath):
     """Runs the live event pipeline of `projections` (see the module's docstring)."""
+
+    folds = "events"
 
     def __init__(
         self,
@@ -77,10 +117,14 @@ class EventPipeline:
         self.topics = Topics(settings.topic_prefix)
         self.sink: EventSink | None = None
         self.running: Running | None = None
-        self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
-        # Why the running query folds in micro-batches (None: it runs in real-time mode); the
-        # projector's status (spark/status.py) shows it.
-        self.micro_batches_why: str | None = "not started"
+        self.realtime_failures = 0
+        self.micro_batches_why = "not started"
+
+    def slots_needed(self) -> int | None:
+        """One a partition read, two more for other jobs (`realtime_partitions`)."""
+        if self.realtime_mode is None:
+            return None
+        return realtime_partitions(self.settings, self.projections) + 2
 
     def topic_names(self) -> list[str]:
         return sorted({t for p in self.projections for t in p.topic_names(self.topics)})
@@ -110,26 +154,6 @@ class EventPipeline:
                 low = min(readers)
                 doc[t][str(part)] = low + 1 if low >= 0 else -2
         return json.dumps(doc)
-
-    def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode: it has one, it is wanted, not failing
-        on its own, and Spark has the task slots `realtime_slots` counts."""
-        self.micro_batches_why = self.refusal()
-        if self.micro_batches_why is not None:
-            log.warning("folding events in micro-batches: %s", self.micro_batches_why)
-        return self.micro_batches_why is None
-
-    def refusal(self) -> str | None:
-        """Why the live path may not run in real-time mode now; None when it may."""
-        if self.realtime_mode is None:
-            return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
-        need = realtime_partitions(self.settings, self.projections) + 2
-        return realtime_refusal(self.spark, self.settings, self.realtime_failures, need)
-
-    def realtime_again(self) -> bool:
-        """Whether its query folds in micro-batches though it may run in real-time mode now:
-        it lacked task slots when it started, and Spark has them again (a worker came back)."""
-        return self.micro_batches_why is not None and self.refusal() is None
 
     def checkpoint(self) -> str:
         """A fresh checkpoint for a query's start, or Spark would resume from its own offsets

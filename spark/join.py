@@ -45,7 +45,7 @@ from config.topics import Topics
 from projections.base import JOIN_STATE, ROLES, Join, Offsets
 from spark.changelog import joined_rows, latest, records
 from spark.decode import kafka_options
-from spark.event_pipeline import RealtimeMode, Running, failures_after, realtime_refusal
+from spark.event_pipeline import LivePath, RealtimeMode, Running, failures_after
 from spark.gaps import Gaps, check_gaps, skipped
 from spark.session import BatchPlanning, full_planning, idle_poll
 from spark.shadows import SHADOW, Report, differences
@@ -337,8 +337,10 @@ def _topic(partition_key: str) -> str:
     return partition_key.rsplit(":", 1)[0]
 
 
-class JoinPipeline:
+class JoinPipeline(LivePath):
     """Runs the live pipeline of every join (see the module's docstring)."""
+
+    folds = "joins"
 
     def __init__(
         self,
@@ -358,9 +360,16 @@ class JoinPipeline:
         self.beside = beside  # task slots other real-time queries of this Spark hold
         self.sink: JoinSink | None = None
         self.running: Running | None = None
-        self.realtime_failures = 0  # real-time starts in a row whose query failed on its own
-        self.micro_batches_why: str | None = "not started"  # (as EventPipeline's)
+        self.realtime_failures = 0
+        self.micro_batches_why = "not started"
         self.realtime_mode = realtime_mode
+
+    def slots_needed(self) -> int | None:
+        """One a changelog read besides the ones other real-time queries hold, two more for
+        other jobs."""
+        if self.realtime_mode is None:
+            return None
+        return self.beside + len(self.tables) + 2
 
     def starting_offsets(self) -> str:
         """After the lowest progress of the joins that read each changelog."""
@@ -377,25 +386,6 @@ class JoinPipeline:
         """Rebuild `join` from its changelogs as they are now (it missed removed records)."""
         report = JoinRebuild(self.settings, self.spark).run(join)
         log.warning("join %s rebuilt: %s rows", join.name, report.rows.get(join.name))
-
-    def realtime(self) -> bool:
-        """Whether the live path runs in real-time mode (`refusal`)."""
-        self.micro_batches_why = self.refusal()
-        if self.micro_batches_why is not None:
-            log.warning("folding joins in micro-batches: %s", self.micro_batches_why)
-        return self.micro_batches_why is None
-
-    def refusal(self) -> str | None:
-        """Why the live path may not run in real-time mode now (`realtime_refusal`): its query
-        needs a task slot per changelog read besides the ones other real-time queries hold."""
-        if self.realtime_mode is None:
-            return "real-time mode is off (LOGFOLD_SPARK_REALTIME)"
-        need = self.beside + len(self.tables) + 2
-        return realtime_refusal(self.spark, self.settings, self.realtime_failures, need)
-
-    def realtime_again(self) -> bool:
-        """As `EventPipeline.realtime_again`: in micro-batches for want of slots that are back."""
-        return self.micro_batches_why is not None and self.refusal() is None
 
     def start(self) -> Running:
         """Start the live pipeline from the joins' progress (a restart resumes the same way):
