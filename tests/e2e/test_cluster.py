@@ -128,6 +128,21 @@ def faults(cluster: tuple[RunningStack, str]) -> Cluster:
     return Cluster(*cluster)
 
 
+class Laps:
+    """How long each phase took since the one before it (the first: since it was made)."""
+
+    def __init__(self) -> None:
+        self.took: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.took[phase], self._last = now - self._last, now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.0f} s" for k, v in self.took.items())
+
+
 def under_load(
     cluster: Cluster, inject: Callable[[], str], broker_fault: bool = False
 ) -> list[int]:
@@ -137,19 +152,19 @@ def under_load(
     with followed(cluster, watched.name) as followers:
         with OpenLoop(cluster, run, watched.ids) as load:
             load.wait_sent(SETTLE)
-            began = time.monotonic()
+            lap = Laps()
             what = inject()
             load.wait_sent(len(load.sent) + SETTLE)
-        took = {"fault": time.monotonic() - began}
+        lap("fault")
         try:
             answers = check_commands(cluster.settings, run, load.sent)
-            took["log"] = time.monotonic() - began - sum(took.values())
+            lap("log")
             cluster.caught_up()
-            took["catch-up"] = time.monotonic() - began - sum(took.values())
+            lap("catch-up")
             assert differences(cluster.settings) == {}
-            took["fold"] = time.monotonic() - began - sum(took.values())
+            lap("fold")
             check_followers(cluster.settings, followers, watched.ids)
-            took["followers"] = time.monotonic() - began - sum(took.values())
+            lap("followers")
         except AssertionError as e:
             if broker_fault and isinstance(e, VersionsNotDense):
                 said = [ln for ln in cluster.stack.output if ln.startswith("processor")]
@@ -161,9 +176,8 @@ def under_load(
                 )
             raise AssertionError(f"{e}\n--- the stack's last lines:\n{cluster.stack.tail()}") from e
         resumed = [f.resumed for f in followers]
-    spent = ", ".join(f"{k} {v:.0f} s" for k, v in took.items())
     print(f"\n{what}; {len(load.sent)} commands ({answers}); clients resumed {resumed} times")
-    print(f"(time: {spent})")
+    print(f"(time: {lap})")
     return resumed
 
 
