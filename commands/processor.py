@@ -221,13 +221,13 @@ class PartitionOwner:
                 reply = Reply(msg.command_id, status, outcome.body, outcome.replay)
                 replies.setdefault(msg.reply_to, []).append(reply)
             for reply_to, batch in replies.items():  # one record per API process
-                reply = self.producer.send(
+                answers = self.producer.send(
                     self.topics.replies,
                     key=reply_to.encode(),
                     value=Reply.encode_many(batch),
                     partition=partition_for(reply_to, self.settings.partitions),
                 )
-                expected.append((reply, None))
+                expected.append((answers, None))
             next_command: int = records[-1].offset + 1
             resume = self.producer.send(
                 self.topics.command_offsets,
