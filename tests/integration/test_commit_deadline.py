@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -169,6 +171,20 @@ def registration(settings: Settings, name: str) -> tuple[CommandMessage, Consume
     return msg, record
 
 
+@contextmanager
+def owning(settings: Settings, partition: int) -> Iterator[tuple[PartitionOwner, References]]:
+    """A processor's owner of `partition` (fenced and restored), with the references its
+    decisions read; both closed afterwards."""
+    topics = Topics(settings.topic_prefix)
+    owner = PartitionOwner(settings, topics, partition)
+    replica = SnapshotReplica(settings.kafka(), topics.snapshots)
+    try:
+        yield owner, References({partition: owner}, replica, settings.partitions)
+    finally:
+        owner.close()
+        replica.close()
+
+
 def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Settings) -> None:
     """A command decided in time whose records are acknowledged only past its deadline (a
     stall the freezes above cannot make alone: a longer one times the requests out): its
@@ -176,22 +192,16 @@ def test_a_processor_never_asks_to_commit_past_a_deadline(base_settings: Setting
     settings = new_deployment(base_settings)
     topics = Topics(settings.topic_prefix)
     msg, record = registration(settings, f"late-{uuid.uuid4().hex[:8]}")
-    owner = PartitionOwner(settings, topics, record.partition)
-    replica = SnapshotReplica(settings.kafka(), topics.snapshots)
-    refs = References({record.partition: owner}, replica, settings.partitions)
-    flush = owner.producer.flush
+    with owning(settings, record.partition) as (owner, refs):
+        flush = owner.producer.flush
 
-    def slow_flush(timeout: float | None = None) -> None:
-        flush(timeout)
-        time.sleep(max(msg.deadline - time.time(), 0) + 0.1)  # the stall itself
+        def slow_flush(timeout: float | None = None) -> None:
+            flush(timeout)
+            time.sleep(max(msg.deadline - time.time(), 0) + 0.1)  # the stall itself
 
-    owner.producer.flush = slow_flush
-    try:
+        owner.producer.flush = slow_flush
         with pytest.raises(Expired):
             owner.process([record], refs)
-    finally:
-        owner.close()
-        replica.close()
     assert not log_of(settings, "customer")
 
     processor = CommandProcessor(settings)
@@ -225,25 +235,19 @@ def test_a_send_that_failed_alone_fails_its_transaction(base_settings: Settings)
     settings = new_deployment(base_settings)
     topics = Topics(settings.topic_prefix)
     _, record = registration(settings, f"lost-{uuid.uuid4().hex[:8]}")
-    owner = PartitionOwner(settings, topics, record.partition)
-    replica = SnapshotReplica(settings.kafka(), topics.snapshots)
-    refs = References({record.partition: owner}, replica, settings.partitions)
-    send = owner.producer.send
+    with owning(settings, record.partition) as (owner, refs):
+        send = owner.producer.send
 
-    def losing_snapshots(topic: str, *args: Any, **kwargs: Any) -> Any:
-        if topic != topics.snapshots:
-            return send(topic, *args, **kwargs)
-        # What kafka-python's own `send` returns for a record it could not queue.
-        lost = FutureRecordMetadata(FutureProduceResult(None), -1, None, None, -1, -1, -1)
-        return lost.failure(KafkaError("the snapshot was lost"))
+        def losing_snapshots(topic: str, *args: Any, **kwargs: Any) -> Any:
+            if topic != topics.snapshots:
+                return send(topic, *args, **kwargs)
+            # What kafka-python's own `send` returns for a record it could not queue.
+            lost = FutureRecordMetadata(FutureProduceResult(None), -1, None, None, -1, -1, -1)
+            return lost.failure(KafkaError("the snapshot was lost"))
 
-    owner.producer.send = losing_snapshots  # type: ignore[method-assign]
-    try:
+        owner.producer.send = losing_snapshots  # type: ignore[method-assign]
         with pytest.raises(KafkaError, match="the snapshot was lost"):
             owner.process([record], refs)
-    finally:
-        owner.close()
-        replica.close()
     assert not log_of(settings, "customer")
     assert not list(read_to_end(settings.kafka(), topics.snapshots, [record.partition]))
 
