@@ -173,6 +173,8 @@ class LocalStack:
     def start_services(self) -> Settings:
         s = self.settings
         data = s.data_path / "cluster" if self.cluster else s.data_path
+        # Kafka, Spark and Postgres need nothing of each other to start: each is launched
+        # (Postgres' initdb runs while the JVMs start), then each waited for, then watched.
         if not s.kafka_bootstrap_servers and self.cluster:
             # Each node a client port and a controller port: 19092/19093, 19094/19095, …
             ports = [(s.kafka_port + 2 * i, s.kafka_port + 2 * i + 1) for i in range(3)]
@@ -183,23 +185,24 @@ class LocalStack:
                 f"{', '.join(str(p) for p, _ in ports)} (data in {data / 'kafka'})"
             )
             self.kafka = KafkaCluster(s.lib_path, data / "kafka", ports)
-            self.kafka.start()
-            for node in self.kafka.nodes:
-                self._supervised(f"Kafka node {node.node_id}", node, node.launch)
-            s.kafka_bootstrap_servers = self.kafka.bootstrap
-            if "replication_factor" not in s.model_fields_set:
-                s.replication_factor = CLUSTER_BROKERS
+            self.kafka.launch()
         elif not s.kafka_bootstrap_servers:
             self._check_port(s.kafka_port, "Kafka", "LOGFOLD_KAFKA_PORT")
             self.say(f"starting Kafka on 127.0.0.1:{s.kafka_port} (data in {data / 'kafka'})")
             self.kafka = LocalKafka(s.lib_path, data / "kafka", s.kafka_port, s.kafka_port + 1)
-            self.kafka.start()
-            self._supervised("Kafka", self.kafka, self.kafka.launch)
-            s.kafka_bootstrap_servers = self.kafka.bootstrap
+            self.kafka.launch()
         if self.cluster and "spark_master" not in s.model_fields_set:
             self.say(f"starting Spark: a standalone master and {CLUSTER_WORKERS} workers")
             self.spark = SparkStandalone(data / "spark", CLUSTER_WORKERS, worker_slots(s))
-            self.spark.start()
+            self.spark.launch()
+        if not s.database_url:
+            self._check_port(s.postgres_port, "Postgres", "LOGFOLD_POSTGRES_PORT")
+            self.say(f"starting Postgres on 127.0.0.1:{s.postgres_port} (data in {data / 'pg'})")
+            self.postgres = LocalPostgres(data / "pg", s.postgres_port)
+            self.postgres.launch()
+
+        if self.spark is not None:
+            self.spark.wait_ready()  # first: its workers start once its master listens
             s.spark_master = self.spark.url
             spark = self.spark
             self.nodes.append(
@@ -213,11 +216,19 @@ class LocalStack:
                         partial(spark.start_worker, i),
                     )
                 )
-        if not s.database_url:
-            self._check_port(s.postgres_port, "Postgres", "LOGFOLD_POSTGRES_PORT")
-            self.say(f"starting Postgres on 127.0.0.1:{s.postgres_port} (data in {data / 'pg'})")
-            self.postgres = LocalPostgres(data / "pg", s.postgres_port)
-            self.postgres.start()
+        if isinstance(self.kafka, KafkaCluster):
+            self.kafka.wait_ready()
+            for node in self.kafka.nodes:
+                self._supervised(f"Kafka node {node.node_id}", node, node.launch)
+            if "replication_factor" not in s.model_fields_set:
+                s.replication_factor = CLUSTER_BROKERS
+        elif self.kafka is not None:
+            self.kafka.wait_ready()
+            self._supervised("Kafka", self.kafka, self.kafka.launch)
+        if self.kafka is not None:
+            s.kafka_bootstrap_servers = self.kafka.bootstrap
+        if self.postgres is not None:
+            self.postgres.wait_ready()
             s.database_url = self.postgres.url
         s.jwt_secret = check_secret(
             s.jwt_secret or load_or_create_secret(s.data_path / "jwt-secret")

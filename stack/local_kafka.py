@@ -74,6 +74,14 @@ class LocalKafka:
         # nodes, a write acknowledged by at least two, and no replica that missed writes ever
         # elected leader (it would drop what the others acknowledged).
         copies, isr = min(self.nodes, 3), min(self.nodes, 2)
+        # Alone, the node is its own controller: a broker session guards nothing (a dead broker
+        # is a dead controller), yet a broker restarted after a crash must wait out its old
+        # session before it may register again (Kafka's default, 9 s, on every such restart).
+        alone = (
+            ["broker.session.timeout.ms=4000", "broker.heartbeat.interval.ms=1000"]
+            if self.nodes == 1
+            else []
+        )
         conf.write_text(
             "\n".join(
                 [
@@ -104,6 +112,7 @@ class LocalKafka:
                     # No no-op record in the metadata log every 500 ms: they only feed the
                     # quorum's liveness metrics, and cost an idle broker a point of a core.
                     "metadata.max.idle.interval.ms=0",
+                    *alone,
                     *self.config,
                     "",
                 ]
@@ -118,26 +127,33 @@ class LocalKafka:
     def launch(self) -> None:
         """Start the process (formatting its data directory the first time) without waiting:
         a cluster's nodes are all launched before any can be ready (a quorum needs two)."""
-        conf = self._write_config()
-        if not (self.data_dir / "log" / "meta.properties").exists():
-            subprocess.run(
-                self._java(
-                    "kafka.tools.StorageTool",
-                    "format",
-                    f"--cluster-id={self.cluster_id}",  # `=`: an id may start with "-"
-                    "-c",
-                    str(conf),
-                    "--ignore-formatted",
-                ),
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
+        formatting = self.format()
+        if formatting is not None:
+            _finished(formatting, "format Kafka's data directory")
         self.log = (self.data_dir / "broker.out").open("ab")
         self.proc = subprocess.Popen(
-            self._java("kafka.Kafka", str(conf), heap="512m"),
+            self._java("kafka.Kafka", str(self._write_config()), heap="512m"),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+        )
+
+    def format(self) -> subprocess.Popen[bytes] | None:
+        """Start formatting the data directory if it never was (a JVM of its own, ~2 s): the
+        caller waits for it."""
+        conf = self._write_config()
+        if (self.data_dir / "log" / "meta.properties").exists():
+            return None
+        return subprocess.Popen(
+            self._java(
+                "kafka.tools.StorageTool",
+                "format",
+                f"--cluster-id={self.cluster_id}",  # `=`: an id may start with "-"
+                "-c",
+                str(conf),
+                "--ignore-formatted",
+            ),
+            stdout=subprocess.DEVNULL,
         )
 
     def wait_ready(self, timeout: float = 90.0) -> None:
@@ -206,8 +222,18 @@ class KafkaCluster:
         return self.nodes[node_id - 1]
 
     def start(self, timeout: float = 120.0) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Every node, without waiting: none can be ready before a quorum has started. The
+        first time, their data directories are formatted side by side."""
+        for formatting in [f for node in self.nodes if (f := node.format()) is not None]:
+            _finished(formatting, "format Kafka's data directory")
         for node in self.nodes:
             node.launch()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
         for node in self.nodes:
             node.wait_ready(timeout)
 
@@ -222,6 +248,11 @@ class KafkaCluster:
             thread.start()
         for thread in stopping:
             thread.join()
+
+
+def _finished(proc: subprocess.Popen[bytes], what: str) -> None:
+    if proc.wait() != 0:
+        raise RuntimeError(f"could not {what} (exit {proc.returncode}): {proc.args!r}")
 
 
 def _new_cluster_id() -> str:

@@ -119,6 +119,12 @@ class LocalPostgres:
         self.data_dir.chmod(0o700)
 
     def start(self, timeout: float = 60.0) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Make the data directory the first time (initdb) and start the server, without
+        waiting for it to accept connections."""
         pgdata = self.data_dir / "pgdata"
         if not (pgdata / "PG_VERSION").exists():
             self._prepare_dir()
@@ -153,8 +159,12 @@ class LocalPostgres:
         self.proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **self._as_owner()
         )
-        wait_until(self._ready, timeout, f"Postgres on port {self.port} (log: {log.name})")
-        self._require_passwords(pgdata)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the server accepts connections; then its passwords and database made."""
+        log = self.data_dir / "postgres.log"
+        wait_until(self._ready, timeout, f"Postgres on port {self.port} (log: {log})")
+        self._require_passwords(self.data_dir / "pgdata")
         self._ensure_database()
 
     def _ready(self) -> bool:

@@ -52,7 +52,15 @@ class SparkStandalone:
         )
 
     def start(self, timeout: float = 120.0) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the master, without waiting: its workers start once it listens."""
         self.start_master()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the master listens; then start every worker and wait until each is alive."""
         wait_until(lambda: port_open(self.ui_port), timeout, f"the Spark master at {self.url}")
         for i in range(len(self.workers)):
             self.start_worker(i)
