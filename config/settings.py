@@ -119,6 +119,11 @@ class Settings(BaseSettings):
     # Every Spark driver JVM maps the classes Spark loads from the archive `make bootstrap`
     # made (spark/class_archive.py): it starts seconds sooner. Off, it loads them from the jars.
     spark_class_archive: bool = True
+    # At its start, the projector runs its batch job this many times on made-up events of every
+    # type (`EventSink.warm`): Spark generates and the JIT compiles the folds' code before the
+    # first command needs it. 0: no warm-up, a start seconds shorter and the first commands'
+    # views that much later.
+    projector_warm_up_rounds: int = Field(default=3, ge=0, le=10)
     # The event pipeline's live path in Spark's real-time mode (each event on its own, as it
     # arrives; `docs/design.md`); off, or without a task slot per partition it reads (a local
     # master is given them), it folds in micro-batches.

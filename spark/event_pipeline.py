@@ -169,8 +169,9 @@ class EventPipeline(LivePath):
             self.sink.db.close()
         self.sink = EventSink(self.projections, self.settings)
         full_planning(self.spark, False)  # the query starts on small batches (see BatchPlanning)
-        if first:  # a restart finds the JVM warm: warming it again only delays the views
-            self.sink.warm(self.spark)
+        rounds = self.settings.projector_warm_up_rounds
+        if first and rounds:  # a restart finds the JVM warm: warming it again only delays views
+            self.sink.warm(self.spark, rounds)
         with psycopg.connect(self.settings.database(), autocommit=True) as conn:
             for name in names:
                 ensure_progress(conn, name)

@@ -53,4 +53,7 @@ def base_settings(kafka: LocalKafka, postgres: LocalPostgres) -> Settings:
         jwt_secret=SECRET,
         partitions=4,
         command_timeout_s=10,
+        # No test reads a view's first seconds for speed: projectors start without warming up
+        # (the stacks `logfold run` starts, and one test of a broken fold, keep the default).
+        projector_warm_up_rounds=0,
     )

@@ -386,6 +386,7 @@ def child_env(settings: Settings) -> dict[str, str]:
             "LOGFOLD_TOPIC_PREFIX": settings.topic_prefix,
             "LOGFOLD_PARTITIONS": str(settings.partitions),
             "LOGFOLD_COMMAND_TIMEOUT_S": str(settings.command_timeout_s),
+            "LOGFOLD_PROJECTOR_WARM_UP_ROUNDS": str(settings.projector_warm_up_rounds),
             "LOGFOLD_LOG_LEVEL": "WARNING",
             # One process per `logfold api`: tests and benchmarks reason about one process's
             # limits (websockets admitted, threads) and start several when they want several.
