@@ -23,6 +23,7 @@ from stack.procs import wait_until
 from tests.support import HttpApi, Processes, drop_cdc_slot, new_deployment, token
 
 ADMIN = {"Authorization": f"Bearer {token('admin')}"}
+LOAD_S, LOOKS = 10, 50  # at least: seconds of load, and answers of /health meanwhile
 
 
 def test_health_stays_ready_and_quick_under_the_highest_command_rate(
@@ -64,8 +65,11 @@ def test_health_stays_ready_and_quick_under_the_highest_command_rate(
             load = [pool.submit(post, i) for i in range(30)]
             poller = pool.submit(poll)
             started = time.monotonic()
-            stop.wait(20)
-            stop.set()
+            try:
+                stop.wait(LOAD_S)
+                wait_until(lambda: len(health) >= LOOKS, 60, f"{LOOKS} answers of /health")
+            finally:
+                stop.set()
             for f in [*load, poller]:
                 f.result(timeout=60)
             elapsed = time.monotonic() - started
@@ -77,7 +81,6 @@ def test_health_stays_ready_and_quick_under_the_highest_command_rate(
             f"p50 {statistics.median(taken) * 1e3:.0f} ms, max {taken[-1] * 1e3:.0f} ms"
         )
         assert answers[201] > 0 and set(answers) == {201}, answers  # a real, clean load
-        assert len(health) >= 50
         assert {status for status, _ in health} == {200}, Counter(s for s, _ in health)
         # Each answer is a read of the last results: fast even on a saturated machine.
         assert statistics.median(taken) < 0.1, taken
