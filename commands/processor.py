@@ -436,8 +436,15 @@ class CommandProcessor:
             self.owners[tp.partition] = PartitionOwner(self.settings, self.topics, tp.partition)
             self._reached = True
             owner = self.owners[tp.partition]
-            # Deployments from before the command-offsets topic have only the group's offsets.
-            committed = owner.resume_at if owner.resume_at is not None else consumer.committed(tp)
+            # A partition no command-offsets record names yet (a new deployment, or one from
+            # before that topic) resumes from the group's offset, asked within a request's
+            # timeout: without one, kafka-python waits for the group's coordinator as long as
+            # Kafka is away, and the processor (and its stop) with it.
+            committed = (
+                owner.resume_at
+                if owner.resume_at is not None
+                else consumer.committed(tp, timeout_ms=KAFKA_REQUEST_TIMEOUT_MS)
+            )
             if committed is None:
                 consumer.seek_to_beginning(tp)
             else:
