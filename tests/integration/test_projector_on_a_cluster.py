@@ -58,6 +58,9 @@ def test_a_projector_on_too_few_slots_folds_in_micro_batches_and_health_sees_its
     env = {
         "LOGFOLD_SPARK_MASTER": cluster.url,
         "PYSPARK_PYTHON": sys.executable,
+        # As `logfold run` starts it: the warm-up's jobs wait for the executor, and the slots
+        # are counted after it (without one, before the executor registered: 0).
+        "LOGFOLD_PROJECTOR_WARM_UP_ROUNDS": "3",
     }
     procs = Processes(fresh, tmp_path, env)
     try:
