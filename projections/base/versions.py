@@ -14,6 +14,7 @@ import ast
 import hashlib
 import inspect
 import textwrap
+import threading
 from typing import Any
 
 from sqlalchemy.dialects import postgresql
@@ -62,13 +63,20 @@ def _parts(p: Projection) -> list[str]:
     return parts
 
 
+# CPython 3.11's ast module counts the depth of the tree it builds in state every thread
+# shares: two threads parsing at once can fail with "SystemError: AST constructor recursion
+# depth mismatch" (seen once: a rebuild and a live pipeline working out versions at once).
+_parsing = threading.Lock()
+
+
 def _code(thing: Any) -> str:
     """The syntax tree of `thing`'s source, without docstrings (or its name, without one)."""
     try:
         source = textwrap.dedent(inspect.getsource(thing))
     except (OSError, TypeError):  # made at run time: no source to read
         return getattr(thing, "__qualname__", repr(thing))
-    tree = ast.parse(source)
+    with _parsing:
+        tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
