@@ -127,12 +127,12 @@ class LocalKafka:
     def launch(self) -> None:
         """Start the process (formatting its data directory the first time) without waiting:
         a cluster's nodes are all launched before any can be ready (a quorum needs two)."""
-        formatting = self.format()
+        formatting = self.format()  # (writes the node's configuration, each launch)
         if formatting is not None:
             _finished(formatting, "format Kafka's data directory")
         self.log = (self.data_dir / "broker.out").open("ab")
         self.proc = subprocess.Popen(
-            self._java("kafka.Kafka", str(self._write_config()), heap="512m"),
+            self._java("kafka.Kafka", str(self.data_dir / "server.properties"), heap="512m"),
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
