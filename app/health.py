@@ -20,7 +20,13 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from app.read_model import ReadModel
-from config.settings import PROJECTOR_BEAT_S, Settings, kafka_fetch_bounds, slot_name
+from config.settings import (
+    PROJECTOR_BEAT_S,
+    Settings,
+    kafka_client_options,
+    kafka_consumer_options,
+    slot_name,
+)
 from config.topics import Topics
 
 if TYPE_CHECKING:
@@ -210,6 +216,7 @@ class HealthChecks:
         if self._admin_client is None:
             self._admin_client = KafkaAdminClient(
                 bootstrap_servers=self.settings.kafka(),
+                **kafka_client_options(),
                 request_timeout_ms=int(self.timeout * 1000),
                 client_id="logfold-health",
             )
@@ -222,7 +229,7 @@ class HealthChecks:
                 metrics_enabled=False,
                 request_timeout_ms=int(self.timeout * 1000),
                 client_id="logfold-health",
-                **kafka_fetch_bounds(),
+                **kafka_consumer_options(),
             )
         ends: dict[TopicPartition, int] = self._consumer.end_offsets(tps)
         return ends

@@ -48,7 +48,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, Snapshot, WalPosition, from_record, seen_as, widen
-from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
+from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, kafka_consumer_options
 from events.base import ERASED
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class Hub:
             fetch_max_wait_ms=IDLE_POLL_MS,
             max_poll_records=500,  # smaller bursts into the outboxes
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
-            **kafka_fetch_bounds(),
+            **kafka_consumer_options(),
         )
         try:
             tps = {TopicPartition(topic, 0): table for table, topic in self.topic_of.items()}

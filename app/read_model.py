@@ -17,7 +17,7 @@ from kafka.errors import KafkaError
 from app.waiting import ProgressSignal, SlotWatch, Waiters, poll_until
 from cdc.changes import Snapshot
 from commands.messages import LogPosition
-from config.settings import Settings, kafka_fetch_bounds, slot_name, sqlalchemy_url
+from config.settings import Settings, kafka_consumer_options, slot_name, sqlalchemy_url
 from config.topics import Topics, partition_of
 from projections.base import Fold, Projection, View
 from projections.base.dead_letters import Summary, summaries
@@ -315,7 +315,7 @@ class ReadModel:
                     metrics_enabled=False,
                     isolation_level="read_committed" if committed else "read_uncommitted",
                     request_timeout_ms=3000,
-                    **kafka_fetch_bounds(),
+                    **kafka_consumer_options(),
                 )
                 if committed:
                     self._offsets = client

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import loadgen, pyspy
 from bench.procstat import CpuMeter, cpu_seconds, jit_seconds
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options
 from config.topics import Topics
 from events.customer import CustomerRenamed
 from events.serialization import encode, envelope_for
@@ -141,6 +141,7 @@ def raw_produce(bootstrap: str, topic: str, record: bytes, seconds: float, per_t
     """Records/s of a transactional kafka-python producer, `per_txn` records per transaction."""
     producer = KafkaProducer(
         bootstrap_servers=bootstrap,
+        **kafka_client_options(),
         transactional_id=f"bench-{uuid.uuid4()}",
         acks="all",
         enable_idempotence=True,
@@ -281,7 +282,7 @@ def ceilings(stack: WriteStack, repeats: int) -> dict[str, float]:
     the offsets the processor announces, and restart it)."""
     record = an_event()
     topic = "bench.ceiling"
-    admin = KafkaAdminClient(bootstrap_servers=stack.kafka.bootstrap)
+    admin = KafkaAdminClient(bootstrap_servers=stack.kafka.bootstrap, **kafka_client_options())
     try:
         if topic not in admin.list_topics():
             spec = topic_specs(Topics(stack.settings.topic_prefix))[0]  # an event topic
@@ -509,11 +510,12 @@ def transactions(args: argparse.Namespace) -> dict[str, object]:
     broker.start()
     topics = ("event", "snapshot", "reply", "offset")
     try:
-        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap, **kafka_client_options())
         admin.create_topics([NewTopic(t, 4, 1) for t in topics])
         admin.close()
         producer = KafkaProducer(
             bootstrap_servers=broker.bootstrap,
+            **kafka_client_options(),
             transactional_id=f"bench-{uuid.uuid4()}",
             acks="all",
             enable_idempotence=True,

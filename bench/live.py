@@ -81,7 +81,7 @@ from bench.read_freshness import trivial_query
 from bench.read_stack import Stack
 from bench.ws_ceiling import Ceiling, change_message
 from bench.wsfleet import Fleet
-from config.settings import Settings, kafka_fetch_bounds
+from config.settings import Settings, kafka_consumer_options
 from config.topics import Topics
 from stack.procs import stop_process, wait_until
 from tests.support import HttpApi, Processes, child_env, token
@@ -132,7 +132,7 @@ class Tap:
             enable_auto_commit=False,
             group_id=None,
             fetch_max_wait_ms=200,  # as the websocket hub's consumer
-            **kafka_fetch_bounds(),
+            **kafka_consumer_options(),
         )
         tp = TopicPartition(Topics(settings.topic_prefix).cdc(table), 0)
         self.consumer.assign([tp])

@@ -51,7 +51,7 @@ from bench import loadgen
 from bench.live import process_env
 from bench.procstat import CpuMeter, cpu_seconds, tree
 from bench.read_stack import Stack, start_warmed
-from config.settings import Settings, kafka_fetch_bounds
+from config.settings import Settings, kafka_consumer_options
 from config.topics import Topics
 from tests.support import HttpApi, Processes, token
 from tests.wsclient import WsClient
@@ -113,7 +113,7 @@ class Stages:
         self.settings, self.roots, self.postgres_port = settings, roots, postgres_port
         self.topics = Topics(settings.topic_prefix)
         self.offsets = KafkaConsumer(
-            bootstrap_servers=settings.kafka(), metrics_enabled=False, **kafka_fetch_bounds()
+            bootstrap_servers=settings.kafka(), metrics_enabled=False, **kafka_consumer_options()
         )
         self.cpu0: dict[str, tuple[float, float]] = {}
         self.ends0: dict[str, int] = {}

@@ -37,7 +37,7 @@ from bench.read_stack import (
     warm_up,
     warmup,
 )
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options
 from stack.procs import wait_until
 from stack.topics import admin_client, wait_for_topics
 from tests.support import Processes, token
@@ -213,7 +213,9 @@ def trivial_query(
         .option("startingOffsets", "earliest")
         .load()
     )
-    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    producer = KafkaProducer(
+        bootstrap_servers=settings.kafka(), acks="all", **kafka_client_options()
+    )
     warm = f"warm-{topic}"
     producer.send(topic, key=warm.encode(), value=b"x").get(timeout=30)
     query = (

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import loadgen
 from bench.loadgen import percentile
 from bench.procstat import CpuMeter
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options
 from config.topics import Topics
 from events.book import BookAdded
 from events.customer import CustomerRegistered
@@ -309,6 +309,7 @@ def write_log(
     topics = Topics(settings.topic_prefix)
     producer = KafkaProducer(
         bootstrap_servers=settings.kafka(),
+        **kafka_client_options(),
         acks="all",
         linger_ms=20,
         batch_size=512 * 1024,

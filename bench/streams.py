@@ -45,7 +45,7 @@ from bench.read_stack import (
     threaded,
     warm_up,
 )
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options
 from events.partitioning import partition_for
 from events.serialization import dumps
 from stack.topics import admin_client
@@ -81,6 +81,7 @@ def raw_produce(settings: Settings, bodies: list[list[dict[str, Any]]], seconds:
         admin.close()
     producer = KafkaProducer(
         bootstrap_servers=settings.kafka(),
+        **kafka_client_options(),
         metrics_enabled=False,
         transactional_id=f"bench-{uuid.uuid4()}",
         acks="all",

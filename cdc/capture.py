@@ -27,7 +27,7 @@ from sqlalchemy import Table
 
 from cdc import pgoutput
 from cdc.changes import Change, WalPosition, record_for
-from config.settings import Settings, slot_name
+from config.settings import Settings, kafka_client_options, slot_name
 from config.topics import Topics
 from events.store import close_within
 from projections.base.wire import wire_row, wire_value
@@ -119,6 +119,7 @@ class Capture:
     def _stream(self) -> None:
         producer = KafkaProducer(
             bootstrap_servers=self.settings.kafka(),
+            **kafka_client_options(),
             metrics_enabled=False,
             acks="all",
             # In order: a retried batch must not land after a later one in a changelog

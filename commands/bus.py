@@ -13,7 +13,7 @@ from kafka import KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
 from commands.messages import CommandMessage, Reply
-from config.settings import IDLE_POLL_MS, Settings
+from config.settings import IDLE_POLL_MS, Settings, kafka_client_options
 from config.topics import Topics
 from events.partitioning import partition_for
 from events.store import close_within, committed_reader
@@ -50,6 +50,7 @@ class CommandBus:
                 if self._producer is None:
                     self._producer = KafkaProducer(
                         bootstrap_servers=self.settings.kafka(),
+                        **kafka_client_options(),
                         metrics_enabled=False,  # kafka-python's own: a tenth of its CPU
                         acks="all",
                         enable_idempotence=True,

@@ -33,7 +33,13 @@ from commands.handling import (
 from commands.keys import KeyStore
 from commands.messages import CommandMessage, LogPosition, Reply
 from commands.registry import AGGREGATES
-from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
+from config.settings import (
+    IDLE_POLL_MS,
+    KAFKA_REQUEST_TIMEOUT_MS,
+    Settings,
+    kafka_client_options,
+    kafka_consumer_options,
+)
 from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import dumps, encode, loads
@@ -123,6 +129,7 @@ class PartitionOwner:
         self.settings, self.topics, self.partition = settings, topics, partition
         self.producer = KafkaProducer(
             bootstrap_servers=settings.kafka(),
+            **kafka_client_options(),
             metrics_enabled=False,  # kafka-python's own, unused: a tenth of a sender's CPU
             transactional_id=topics.transactional_id(partition),
             acks="all",
@@ -395,7 +402,7 @@ class CommandProcessor:
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
-            **kafka_fetch_bounds(),
+            **kafka_consumer_options(),
         )
         consumer.subscribe([self.topics.commands], listener=_Rebalance(self))
         replica = SnapshotReplica(s.kafka(), self.topics.snapshots)

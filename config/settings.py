@@ -44,10 +44,35 @@ KAFKA_FETCH_BYTES = 16 * 1024 * 1024
 # A fetch response's headers (per topic and partition: ids, offsets, aborted transactions),
 # beside its records; generous, since the bound only guards against a corrupt length.
 KAFKA_RESPONSE_HEADERS_BYTES = 1024 * 1024
+# How long a kafka-python client waits before it tries a broker it lost again: from the first
+# wait to the longest, doubling (with jitter) in between. The longest is the Java client's.
+KAFKA_RECONNECT_BACKOFF_MS = 50
+KAFKA_RECONNECT_BACKOFF_MAX_MS = 1000
+
+
+def kafka_client_options() -> dict[str, int]:
+    """The connection settings every kafka-python client of Logfold's takes: producers and admin
+    clients as `**kafka_client_options()`, consumers within `**kafka_consumer_options()`.
+
+    A client that has lost a broker waits longer and longer before it tries it again, up to
+    `reconnect_backoff_max_ms`: 30 s in kafka-python (1 s in Kafka's Java client). With that,
+    a client came back to a restarted broker up to half a minute after it was up again: the API
+    answered commands `503` for 11-14 s after its broker had returned."""
+    return {
+        "reconnect_backoff_ms": KAFKA_RECONNECT_BACKOFF_MS,
+        "reconnect_backoff_max_ms": KAFKA_RECONNECT_BACKOFF_MAX_MS,
+    }
+
+
+def kafka_consumer_options() -> dict[str, int]:
+    """What every kafka-python consumer of Logfold's takes (`**kafka_consumer_options()`): the
+    connection settings of every client and the fetch bounds."""
+    return {**kafka_client_options(), **kafka_fetch_bounds()}
 
 
 def kafka_fetch_bounds() -> dict[str, int]:
-    """The fetch settings every kafka-python consumer of Logfold's takes (`**kafka_fetch_bounds()`).
+    """The fetch settings every kafka-python consumer of Logfold's takes (within
+    `kafka_consumer_options()`).
 
     kafka-python refuses a response larger than `receive_message_max_bytes` (1,000,000 by
     default, below its own default fetch sizes of 1 MiB a partition and 50 MB in all): it closes

@@ -14,7 +14,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaTimeoutError
 from kafka.producer.record_accumulator import RecordAccumulator
 
-from config.settings import KAFKA_REQUEST_TIMEOUT_MS, kafka_fetch_bounds
+from config.settings import KAFKA_REQUEST_TIMEOUT_MS, kafka_consumer_options
 from events.serialization import Envelope, decode
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def committed_reader(bootstrap: str, **config: Any) -> KafkaConsumer:
         enable_auto_commit=False,
         isolation_level="read_committed",
         auto_offset_reset="earliest",
-        **kafka_fetch_bounds(),
+        **kafka_consumer_options(),
         **config,
     )
 

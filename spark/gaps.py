@@ -25,7 +25,7 @@ import psycopg
 from kafka import KafkaConsumer
 from kafka.errors import KafkaError
 
-from config.settings import kafka_fetch_bounds
+from config.settings import kafka_consumer_options
 from config.topics import partition_of
 from projections.base import Offsets
 from spark.sink import record_loss
@@ -67,7 +67,7 @@ class Gaps:
                         bootstrap_servers=self.bootstrap,
                         request_timeout_ms=int(self.timeout_s * 1000),
                         client_id="logfold-gaps",
-                        **kafka_fetch_bounds(),
+                        **kafka_consumer_options(),
                     )
                 found = self._consumer.beginning_offsets([partition_of(k) for k in stale])
                 for tp, offset in found.items():

@@ -61,7 +61,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamReader
 
-from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
+from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_consumer_options
 from config.topics import Topics
 from spark.changelog import CHANGELOG_COLUMNS, records
 from spark.decode import between_json, every_event, kafka_options, parse_events, read_batch
@@ -260,7 +260,7 @@ class RealTime:
             # Rows deleted before they were read (the thread far behind): an error, which
             # restarts the pipeline from Postgres's progress, not a silent jump ahead.
             auto_offset_reset="none",
-            **kafka_fetch_bounds(),
+            **kafka_consumer_options(),
         )
         try:
             partitions = consumer.partitions_for_topic(self.rows_topic)

@@ -21,7 +21,7 @@ import psycopg
 from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql import SparkSession
 
-from config.settings import Settings, kafka_fetch_bounds
+from config.settings import Settings, kafka_consumer_options
 from config.topics import Topics
 from projections.base import Projection, versions
 from projections.base import dead_letters as store
@@ -183,7 +183,7 @@ def read_records(
         enable_auto_commit=False,
         isolation_level="read_committed",
         consumer_timeout_ms=int(settings.kafka_timeout_s * 1000),
-        **kafka_fetch_bounds(),
+        **kafka_consumer_options(),
     )
     found: dict[tuple[str, int, int], tuple[str, int, int, datetime, bytes]] = {}
     try:

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from config import maven
+from config.settings import kafka_client_options
 from stack.procs import port_open, stop_process, wait_until
 
 POM = Path(__file__).parent / "kafka" / "pom.xml"
@@ -166,7 +167,9 @@ class LocalKafka:
             return False
         from kafka.admin import KafkaAdminClient
 
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000)
+        admin = KafkaAdminClient(
+            bootstrap_servers=self.bootstrap, **kafka_client_options(), request_timeout_ms=3000
+        )
         try:
             brokers = admin.describe_cluster()["brokers"]
             return any(b["node_id"] == self.node_id for b in brokers)

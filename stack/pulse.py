@@ -16,7 +16,7 @@ import psycopg
 import requests
 from kafka import KafkaConsumer, TopicPartition
 
-from config.settings import Settings, kafka_fetch_bounds
+from config.settings import Settings, kafka_consumer_options
 from config.topics import Topics
 
 log = logging.getLogger("logfold")
@@ -91,7 +91,7 @@ class Pulse:
                 metrics_enabled=False,
                 client_id="logfold-run-pulse",
                 request_timeout_ms=int(self.settings.kafka_timeout_s * 1000),
-                **kafka_fetch_bounds(),
+                **kafka_consumer_options(),
             )
         commands = self.topics.commands
         tps = [TopicPartition(commands, p) for p in range(self.settings.partitions)]

@@ -12,7 +12,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, Ne
 from kafka.errors import TopicAlreadyExistsError
 
 from commands.handling import IDEMPOTENCY_RETENTION_S
-from config.settings import CHANGELOG_SEGMENT_MS, Settings
+from config.settings import CHANGELOG_SEGMENT_MS, Settings, kafka_client_options
 from config.topics import Topics
 from events.catalog import AGGREGATE_TYPES
 from stack.procs import wait_until
@@ -127,6 +127,7 @@ class TopicMisconfigured(RuntimeError):
 def admin_client(settings: Settings) -> KafkaAdminClient:
     return KafkaAdminClient(
         bootstrap_servers=settings.kafka(),
+        **kafka_client_options(),
         client_id="logfold-admin",
         request_timeout_ms=int(settings.kafka_timeout_s * 1000),
     )

@@ -13,7 +13,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options
 from config.topics import Topics
 from events.partitioning import partition_for
 from events.serialization import dumps
@@ -60,6 +60,7 @@ class Ingestion:
             timeout_ms = int(self.settings.kafka_timeout_s * 1000)
             producer = KafkaProducer(
                 bootstrap_servers=self.settings.kafka(),
+                **kafka_client_options(),
                 metrics_enabled=False,
                 transactional_id=self.transactional_id,
                 acks="all",

@@ -13,7 +13,7 @@ import psycopg
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import Change, from_record
-from config.settings import Settings
+from config.settings import Settings, kafka_consumer_options
 from config.topics import Topics
 
 
@@ -108,7 +108,9 @@ def assert_consecutive(seen: dict[str, list[int]], final: dict[str, int]) -> Non
 def changelog(settings: Settings, table: str) -> list[Change]:
     """Every record of `cdc.<table>`, in order (resends included)."""
     tp = TopicPartition(Topics(settings.topic_prefix).cdc(table), 0)
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka(), enable_auto_commit=False, **kafka_consumer_options()
+    )
     try:
         consumer.assign([tp])
         end = consumer.end_offsets([tp])[tp]

@@ -25,7 +25,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app.auth import SCOPES, issue_token
 from cdc.changes import Change, WalPosition, record_for
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options, kafka_consumer_options
 from config.topics import Topics
 from events.base import DomainEvent
 from events.keys import find_keys, open_value, subject
@@ -48,7 +48,9 @@ def token(
 
 def topic_records(settings: Settings, topic: str) -> list[Any]:
     """Every record of `topic`, read from its start to its end as it is now."""
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka(), enable_auto_commit=False, **kafka_consumer_options()
+    )
     try:
         parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
         consumer.assign(parts)
@@ -65,7 +67,9 @@ def topic_records(settings: Settings, topic: str) -> list[Any]:
 
 def send_again(settings: Settings, record: Any, *values: dict[str, Any]) -> None:
     """Write `values` (JSON) to `record`'s topic under its key, each acknowledged."""
-    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    producer = KafkaProducer(
+        bootstrap_servers=settings.kafka(), acks="all", **kafka_client_options()
+    )
     try:
         for value in values:
             producer.send(record.topic, key=record.key, value=json.dumps(value).encode()).get(30)
@@ -77,7 +81,9 @@ def append_changes(settings: Settings, table: str, changes: list[tuple[Any, ...]
     """Write changes of `table` straight into its changelog `cdc.<table>` as the CDC process
     would (for tests that must not depend on it): each is (op, key, row, "<lsn>.<seq>"); for a
     delete, `row` is the deleted row (the before-image)."""
-    producer = KafkaProducer(bootstrap_servers=settings.kafka(), acks="all")
+    producer = KafkaProducer(
+        bootstrap_servers=settings.kafka(), acks="all", **kafka_client_options()
+    )
     topic = Topics(settings.topic_prefix).cdc(table)
     for op, key, row, position in changes:
         deleted = op == "delete"
@@ -185,7 +191,7 @@ def servers(settings: Settings) -> Iterator[Callable[..., tuple[str, Flask]]]:
 
 def end_offset(settings: Settings, topic: str, partition: int = 0) -> int:
     """The end offset of one partition of `topic`, as it is now."""
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka())
+    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), **kafka_consumer_options())
     try:
         tp = TopicPartition(topic, partition)
         return int(consumer.end_offsets([tp])[tp])
@@ -197,7 +203,7 @@ def delete_records(settings: Settings, topic: str, before: int) -> None:
     """Delete `topic`'s records before offset `before`, as retention (or compaction past
     `delete.retention.ms`) removes them."""
     spec = topic_spec(Topics(settings.topic_prefix), topic)
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka(), **kafka_client_options())
 
     def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
         configs = {**spec.configs, "cleanup.policy": value}
@@ -232,7 +238,7 @@ def fill_log(settings: Settings, topic: str, partitions: int, records: int) -> N
     """`records` placeholder records (not events) in each of `partitions` partitions of
     `topic`: for tests that write view rows and progress themselves and wait for positions
     (one past the log's end is refused at once), with no projector reading the topic."""
-    producer = KafkaProducer(bootstrap_servers=settings.kafka())
+    producer = KafkaProducer(bootstrap_servers=settings.kafka(), **kafka_client_options())
     try:
         for partition in range(partitions):
             for i in range(records):
@@ -257,6 +263,7 @@ def append_events(
     `logged_at`: the records' log time (Kafka timestamp), now by default."""
     producer = KafkaProducer(
         bootstrap_servers=settings.kafka(),
+        **kafka_client_options(),
         transactional_id=f"test-{uuid.uuid4()}" if transactional else None,
         acks="all",
         # kafka-python gives a broker 2 s to answer its first request, then raises

@@ -22,7 +22,7 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from cdc.changes import WalPosition, from_record
-from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_fetch_bounds
+from config.settings import IDLE_POLL_MS, KAFKA_REQUEST_TIMEOUT_MS, Settings, kafka_consumer_options
 from config.topics import Topics
 from webhooks import backoff, signing
 from webhooks.messages import Message, message_for
@@ -111,7 +111,7 @@ class Worker:
             max_poll_records=500,
             request_timeout_ms=KAFKA_REQUEST_TIMEOUT_MS,
             client_id=f"logfold-webhook-{endpoint.id}",
-            **kafka_fetch_bounds(),
+            **kafka_consumer_options(),
         )
         try:
             consumer.assign([tp])
@@ -304,7 +304,7 @@ def changelog_end(settings: Settings, view: str, timeout_s: float) -> int:
         metrics_enabled=False,
         request_timeout_ms=int(timeout_s * 1000),
         client_id="logfold-webhooks-api",
-        **kafka_fetch_bounds(),
+        **kafka_consumer_options(),
     )
     try:
         return int(consumer.end_offsets([tp])[tp])

@@ -29,7 +29,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from commands.messages import LogPosition
-from config.settings import Settings, kafka_fetch_bounds
+from config.settings import Settings, kafka_client_options, kafka_consumer_options
 from config.topics import Topics
 from stack.local_lb import LoadBalancer
 from stack.procs import wait_until
@@ -164,7 +164,9 @@ class Cluster:
         them; with `via`, as that node's has them."""
         topics = Topics(self.settings.topic_prefix)
         bootstrap = [via] if via else self.brokers()
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+        admin = KafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=10_000, **kafka_client_options()
+        )
         try:
             names = [t for t in admin.list_topics() if t.startswith(topics.prefix)]
             return list(admin.describe_topics([*names, "__consumer_offsets"]))
@@ -358,7 +360,7 @@ def where_versions_are(
         bootstrap_servers=settings.kafka(),
         isolation_level="read_uncommitted",
         enable_auto_commit=False,
-        **kafka_fetch_bounds(),
+        **kafka_consumer_options(),
     )
     found: dict[str, list[str]] = defaultdict(list)
     offsets: dict[int, list[int]] = defaultdict(list)

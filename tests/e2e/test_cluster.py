@@ -24,6 +24,7 @@ import pytest
 import requests
 from kafka.admin import KafkaAdminClient
 
+from config.settings import kafka_client_options
 from config.topics import Topics
 from stack.procs import port_open, wait_until
 from tests.e2e.faults import (
@@ -82,7 +83,7 @@ def test_the_cluster_starts_with_one_command_and_serves_through_the_balancer(
     assert {q["mode"] for q in projector["queries"].values()} == {"real-time"}, projector
 
     brokers = [f"127.0.0.1:{stack.kafka_port + 2 * i}" for i in range(3)]
-    admin = KafkaAdminClient(bootstrap_servers=",".join(brokers))
+    admin = KafkaAdminClient(bootstrap_servers=",".join(brokers), **kafka_client_options())
     try:
         described = admin.describe_topics(["events.customer", "__consumer_offsets"])
     finally:
