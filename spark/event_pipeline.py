@@ -41,7 +41,7 @@ from config.topics import Topics
 from projections.base import Join, Projection
 from spark.decode import every_event, kafka_options, parse_events
 from spark.event_sink import BatchRecords, EventSink
-from spark.session import BatchPlanning, full_planning, idle_poll
+from spark.session import BatchPlanning, executors, full_planning, idle_poll
 from spark.sink import (
     ensure_progress,
     forget_failures,
@@ -294,13 +294,6 @@ def available_slots(spark: SparkSession) -> int:
     if (context.master or "").startswith("local") or executors(spark) > 0:
         return int(context.defaultParallelism)
     return 0
-
-
-def executors(spark: SparkSession) -> int:
-    """Executors registered with the driver now (the driver itself not counted): on a local
-    master, none; on a cluster, those its workers run for this application."""
-    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
-    return max(int(status.size()) - 1, 0)
 
 
 def realtime_slots(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -13,6 +15,8 @@ from config import maven
 from config.logs import is_debug, spark_level
 from config.settings import Settings
 from spark import class_archive
+
+log = logging.getLogger(__name__)
 
 POM = Path(__file__).parent / "pom.xml"
 LOG4J = Path(__file__).parent / "log4j2.properties"
@@ -23,6 +27,10 @@ FULL_PLANNING_FROM_RECORDS = 10_000  # a live batch this large is planned as Spa
 # machine code: about a third of the JVM's CPU in a warm rebuild (`docs/benchmarks-journal.md`,
 # rebuild).
 CODEGEN_CACHE = 1000
+# How long a session on a cluster's master waits for its first executor before it goes on without
+# one: Spark's own bound for a job waiting for its resources
+# (`spark.scheduler.maxRegisteredResourcesWaitingTime`).
+EXECUTOR_WAIT_S = 30.0
 CHECKPOINT_FILE_MANAGER = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 )
@@ -94,7 +102,38 @@ def session(
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel(level)
+    wait_for_executors(spark, EXECUTOR_WAIT_S)
     return spark
+
+
+def executors(spark: SparkSession) -> int:
+    """Executors registered with the driver now (the driver itself not counted): on a local
+    master, none; on a cluster, those its workers run for this application."""
+    status = spark.sparkContext._jsc.sc().getExecutorMemoryStatus()
+    return max(int(status.size()) - 1, 0)
+
+
+def wait_for_executors(spark: SparkSession, timeout_s: float) -> bool:
+    """On a cluster's master, wait up to `timeout_s` for the application's first executor; say
+    whether one came (a local master runs its tasks in the driver: at once). A session's
+    first decisions (the projector's mode, by the task slots Spark offers) are then made on
+    the cluster's executors, not before the first has registered (a few seconds after the
+    application, on a standalone cluster). Past the bound it goes on: its jobs wait for
+    executors, and the projector's status reports none."""
+    if (spark.sparkContext.master or "").startswith("local"):
+        return True
+    deadline = time.monotonic() + timeout_s
+    while executors(spark) == 0:
+        if time.monotonic() >= deadline:
+            log.warning(
+                "no executor of %s registered within %.0f s: going on without one (are its "
+                "workers up, with the cores and memory it asks for?)",
+                spark.sparkContext.master,
+                timeout_s,
+            )
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def quiet_stop(spark: SparkSession, settings: Settings) -> None:

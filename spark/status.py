@@ -19,7 +19,8 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from config.settings import PROJECTOR_BEAT_S, Settings
-from spark.event_pipeline import available_slots, executors
+from spark.event_pipeline import available_slots
+from spark.session import executors
 
 log = logging.getLogger(__name__)
 

@@ -55,13 +55,9 @@ def test_a_projector_on_too_few_slots_folds_in_micro_batches_and_health_sees_its
 ) -> None:
     import sys
 
-    env = {
-        "LOGFOLD_SPARK_MASTER": cluster.url,
-        "PYSPARK_PYTHON": sys.executable,
-        # As `logfold run` starts it: the warm-up's jobs wait for the executor, and the slots
-        # are counted after it (without one, before the executor registered: 0).
-        "LOGFOLD_PROJECTOR_WARM_UP_ROUNDS": "3",
-    }
+    # No warm-up (the suite's setting): the slots are counted right after the session
+    # started, once it has waited for the executor (before it registered: "Spark has 0").
+    env = {"LOGFOLD_SPARK_MASTER": cluster.url, "PYSPARK_PYTHON": sys.executable}
     procs = Processes(fresh, tmp_path, env)
     try:
         procs.processor()
