@@ -202,6 +202,8 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     assert not (data_dir / "stack.env").exists()  # gone with the stack
     assert cli(stack.env, "env").returncode == 1
 
+    # Started again for what it kept, not for its projector's first seconds: no warm-up.
+    stack.env["LOGFOLD_PROJECTOR_WARM_UP_ROUNDS"] = "0"
     token = stack.start()
     r = requests.post(
         f"{stack.base}/commands/reprice-book",
@@ -383,6 +385,8 @@ def test_run_uses_external_kafka_and_postgres_when_configured(
             "KAFKA_BOOTSTRAP_SERVERS": base_settings.kafka(),
             "DATABASE_URL": base_settings.database(),
             "LOGFOLD_TOPIC_PREFIX": prefix,
+            # Not about the projector's first seconds (the README flow starts it as a user does).
+            "LOGFOLD_PROJECTOR_WARM_UP_ROUNDS": "0",
         }
     )
     try:

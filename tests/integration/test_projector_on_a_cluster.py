@@ -39,9 +39,9 @@ def _projector(api: HttpApi) -> dict[str, Any]:
     return component
 
 
-def _in_view(api: HttpApi, customer: str, position: str) -> bool:
+def _in_view(api: HttpApi, customer: str, position: str, wait: int = 5) -> bool:
     answer = api.get(
-        f"/views/customers/{customer}?consistent_with={position}&wait=5", headers=_auth(api)
+        f"/views/customers/{customer}?consistent_with={position}&wait={wait}", headers=_auth(api)
     )
     return answer.status_code == 200
 
@@ -91,7 +91,7 @@ def test_a_projector_on_too_few_slots_folds_in_micro_batches_and_health_sees_its
             {"name": f"Bo {uuid.uuid4().hex[:6]}"} | {"email": "bo@example.com"},
         )
         assert second.status == 201, second.body
-        assert not _in_view(api, second.body["aggregate_id"], second.body["position"])
+        assert not _in_view(api, second.body["aggregate_id"], second.body["position"], wait=1)
 
         # The worker comes back with the slots real-time mode needs.
         cluster.start_worker(0, cores=status["slots_needed"])
