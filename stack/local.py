@@ -10,7 +10,7 @@ projector is submitted there), two command processors, and two API nodes behind 
 (`<data>/cluster`): the two never share a log.
 
 The children run in sessions of their own, so Ctrl-C in the terminal reaches this process alone,
-which stops them one by one, the API first, and says so in a line each. Their output comes
+which stops them, the API first, and says so in a line each. Their output comes
 through this process, each line prefixed with the child's name (config/logs.py)."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -396,23 +397,26 @@ class LocalStack:
         return {r[0] for r in rows} >= set(FOLDS)
 
     def stop(self) -> None:
-        """Stop the children, the last started first (the API, then what feeds it), then
-        Postgres and Kafka: a line each."""
-        for child in reversed(self.children):
-            self._stop(child)
-        self.children.clear()
+        """Stop the API first (its nodes finish the requests they are answering), then the
+        load balancer, then the other children together (each stops on its own: none needs
+        another to), then Spark, Postgres and Kafka together: a line each."""
+        api = [c for c in self.children if c.name == "api" or c.name.startswith("api-")]
+        _together(self._stop, api)
         if self.balancer is not None:
             self.balancer.stop()
             self.say("stopped the load balancer")
-        if self.spark is not None:
-            self.spark.stop()
-            self.say("stopped Spark")
-        if self.postgres is not None:
-            self.postgres.stop()
-            self.say("stopped Postgres")
-        if self.kafka is not None:
-            self.kafka.stop()
-            self.say("stopped Kafka")
+        _together(self._stop, [c for c in reversed(self.children) if c not in api])
+        self.children.clear()
+        engines: list[
+            tuple[str, SparkStandalone | LocalPostgres | LocalKafka | KafkaCluster | None]
+        ]
+        engines = [("Spark", self.spark), ("Postgres", self.postgres), ("Kafka", self.kafka)]
+        stops = {name: engine.stop for name, engine in engines if engine is not None}
+        _together(lambda name: self._stop_engine(name, stops[name]), list(stops))
+
+    def _stop_engine(self, name: str, stop: Callable[[], object]) -> None:
+        stop()
+        self.say(f"stopped {name}")
 
     def _stop(self, child: Child) -> None:
         """SIGTERM, and SIGKILL after STOP_S (or at a second Ctrl-C). What the child prints
@@ -442,6 +446,16 @@ class LocalStack:
             return
         for line in child.relay.held():
             _write(line)
+
+
+def _together(stop: Callable[[Any], object], things: list[Any]) -> None:
+    """`stop` each of `things`, each in a thread of its own; return when all have stopped
+    (raising the first error, once all have)."""
+    if not things:
+        return
+    with ThreadPoolExecutor(max_workers=len(things)) as pool:
+        for done in [pool.submit(stop, thing) for thing in things]:
+            done.result()
 
 
 def run(settings: Settings, cluster: bool = False) -> None:

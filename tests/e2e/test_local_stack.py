@@ -246,6 +246,9 @@ def a_terminal_a_person_can_read(stack: RunningStack) -> None:
     assert "Traceback" not in said and "\tat " not in said, said
     for what in ("api", "webhooks", "cdc", "projector", "processor", "Postgres", "Kafka"):
         assert f"stopped {what}" in said, said
+    # The API first (it finishes what it answers while what feeds it still runs), the engines last.
+    order = [ln.split("stopped ", 1)[1].split()[0] for ln in stopping if "stopped " in ln]
+    assert order[0] == "api" and set(order[-2:]) == {"Postgres", "Kafka"}, said
 
 
 def cli(
