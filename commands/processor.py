@@ -47,6 +47,12 @@ from events.store import abort_within, close_within, commit_within, committed_re
 
 log = logging.getLogger(__name__)
 
+# The wait before a new session after one failed: doubling, while Kafka stays away, from the
+# first to the longest. The longest bounds how late the processor notices Kafka's return: with
+# 10 s, the first commands after a broker's restart timed out (504) for up to 10 s more.
+SESSION_BACKOFF_S = 0.5
+SESSION_BACKOFF_MAX_S = 2.0
+
 Decided = tuple[CommandMessage, Outcome]
 
 
@@ -374,18 +380,22 @@ class CommandProcessor:
 
     def run(self) -> None:
         """Process commands until `stop()`; start over from committed state after any error."""
-        backoff = 0.5
+        backoff, failed = SESSION_BACKOFF_S, 0
         while not self._stopping.is_set():
             self._reached = False
             try:
                 self._session()
-                backoff = 0.5
-            except Exception:
-                log.exception("command processing failed; restarting from committed state")
+                backoff, failed = SESSION_BACKOFF_S, 0
+            except Exception as e:
                 if self._reached:  # Kafka answered this session: not the outage backed off from
-                    backoff = 0.5
+                    backoff, failed = SESSION_BACKOFF_S, 0
+                failed += 1
+                if failed == 1:  # the first failure in a row with its traceback, later ones a line
+                    log.exception("command processing failed; restarting from committed state")
+                else:
+                    log.warning("command processing failed again (%d in a row): %s", failed, e)
                 self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 10)
+                backoff = min(backoff * 2, SESSION_BACKOFF_MAX_S)
             finally:
                 self._close()
 
