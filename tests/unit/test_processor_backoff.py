@@ -14,25 +14,35 @@ from commands.processor import SESSION_BACKOFF_MAX_S, CommandProcessor
 from config.settings import Settings
 
 
+def waits_until_stopped(
+    monkeypatch: pytest.MonkeyPatch, processor: CommandProcessor, sessions: int
+) -> list[float]:
+    """The waits between `processor`'s sessions, recorded instead of waited; it is stopped
+    at the `sessions`-th."""
+    waits: list[float] = []
+
+    def wait(seconds: float) -> bool:
+        waits.append(seconds)
+        if len(waits) == sessions:
+            processor.stop()
+        return processor._stopping.is_set()
+
+    monkeypatch.setattr(processor._stopping, "wait", wait)
+    return waits
+
+
 def test_sessions_failing_in_a_row_wait_doubling_up_to_the_bound(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     processor = CommandProcessor(Settings(kafka_bootstrap_servers="nowhere:9", jwt_secret="x" * 32))
     sessions: list[int] = []
-    waits: list[float] = []
 
     def session() -> None:
         sessions.append(1)
         raise NoBrokersAvailable()
 
-    def wait(seconds: float) -> bool:
-        waits.append(seconds)
-        if len(waits) == 7:
-            processor.stop()
-        return processor._stopping.is_set()
-
     monkeypatch.setattr(processor, "_session", session)
-    monkeypatch.setattr(processor._stopping, "wait", wait)
+    waits = waits_until_stopped(monkeypatch, processor, 7)
     with caplog.at_level(logging.WARNING, logger=commands.processor.__name__):
         processor.run()
 
@@ -47,20 +57,13 @@ def test_a_session_that_reached_kafka_starts_the_waits_over(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     processor = CommandProcessor(Settings(kafka_bootstrap_servers="nowhere:9", jwt_secret="x" * 32))
-    waits: list[float] = []
     reached = iter([False, False, True, False])
 
     def session() -> None:
         processor._reached = next(reached)
         raise NoBrokersAvailable()
 
-    def wait(seconds: float) -> bool:
-        waits.append(seconds)
-        if len(waits) == 4:
-            processor.stop()
-        return processor._stopping.is_set()
-
     monkeypatch.setattr(processor, "_session", session)
-    monkeypatch.setattr(processor._stopping, "wait", wait)
+    waits = waits_until_stopped(monkeypatch, processor, 4)
     processor.run()
     assert waits == [0.5, 1.0, 0.5, 1.0]
