@@ -407,11 +407,12 @@ class LocalStack:
             self.say("stopped the load balancer")
         _together(self._stop, [c for c in reversed(self.children) if c not in api])
         self.children.clear()
-        engines: list[
-            tuple[str, SparkStandalone | LocalPostgres | LocalKafka | KafkaCluster | None]
-        ]
-        engines = [("Spark", self.spark), ("Postgres", self.postgres), ("Kafka", self.kafka)]
-        stops = {name: engine.stop for name, engine in engines if engine is not None}
+        running = (
+            ("Spark", self.spark.stop if self.spark is not None else None),
+            ("Postgres", self.postgres.stop if self.postgres is not None else None),
+            ("Kafka", self.kafka.stop if self.kafka is not None else None),
+        )
+        stops = {name: stop for name, stop in running if stop is not None}
         _together(lambda name: self._stop_engine(name, stops[name]), list(stops))
 
     def _stop_engine(self, name: str, stop: Callable[[], object]) -> None:
