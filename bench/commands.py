@@ -6,6 +6,7 @@
     .venv/bin/python bench/commands.py compare --duration 15 --repeats 3
     .venv/bin/python bench/commands.py aggregate --events 10000 --repeats 3
     .venv/bin/python bench/commands.py transactions --rounds 8
+    .venv/bin/python bench/commands.py broker-start --repeats 5
 
 load: sustained commands/s and latency at several offered loads (`rename-customer` on 200
 customers in turn), and, in the same run, the raw kafka-python transactional produce rate of
@@ -28,6 +29,11 @@ event, a snapshot, a reply and an offset topic) on a broker of its own, paced (a
 1/--rate s after each, as commands arriving apart) and back to back, in rounds: the CPU it
 costs the producer (kafka-python, whichever version is installed) and the broker, and the
 broker's JIT compiler's share, round by round.
+
+broker-start: a Kafka broker's start, from its launch until it answers as a broker, each a new
+process on a new data directory, with the class archive `make bootstrap` made (stack/
+class_archive.py) against without, alternating: the time and the broker's CPU by then; medians
+and their ratios.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -53,6 +60,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import loadgen, pyspy
+from bench.archives import with_and_without
 from bench.procstat import CpuMeter, cpu_seconds, jit_seconds
 from config.settings import Settings, kafka_client_options
 from config.topics import Topics
@@ -570,6 +578,29 @@ def transactions(args: argparse.Namespace) -> dict[str, object]:
         broker.stop()
 
 
+def broker_start(args: argparse.Namespace) -> dict[str, object]:
+    from stack import class_archive
+
+    lib = Path(".stack/lib")
+    archive = class_archive.ensure_kafka(lib)
+    runs: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
+    for _ in tqdm(range(args.repeats), desc="starts", unit="pair"):
+        for mode in runs:
+            work = Path(tempfile.mkdtemp(prefix="logfold-bench-"))
+            broker = LocalKafka(lib, work, free_port(), free_port(), class_archive=mode == "with")
+            formatting = broker.format()  # (a new directory: formatted before the clock)
+            assert formatting is not None and formatting.wait() == 0
+            start = time.perf_counter()
+            broker.launch()
+            broker.wait_ready()
+            assert broker.proc is not None
+            took = time.perf_counter() - start
+            runs[mode].append({"ready_s": took, "cpu_s": sum(cpu_seconds([broker.proc.pid]))})
+            broker.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    return with_and_without("broker-start", archive, runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -638,6 +669,8 @@ def main() -> None:
     tx.add_argument("--seconds", type=float, default=20, help="of paced transactions per round")
     tx.add_argument("--back-to-back", type=int, default=1000, help="transactions per round")
     tx.add_argument("--rounds", type=int, default=8, help="the later half gives the medians")
+    bs = sub.add_parser("broker-start", help="a broker's start with the class archive and without")
+    bs.add_argument("--repeats", type=int, default=5, help="starts of each (medians reported)")
     args = parser.parse_args()
     run = {
         "load": load,
@@ -645,6 +678,7 @@ def main() -> None:
         "profile": profile,
         "aggregate": aggregate,
         "transactions": transactions,
+        "broker-start": broker_start,
     }[args.which]
     print(json.dumps(run(args), indent=2))
 

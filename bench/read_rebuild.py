@@ -18,6 +18,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.archives import with_and_without
 from bench.read_stack import Stack, write_log
 from config.settings import Settings
 from config.topics import Topics
@@ -271,13 +272,4 @@ def spark_start(args: argparse.Namespace) -> dict[str, Any]:
                 timeout=300,
             )
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    medians = {
-        mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()
-    }
-    return {
-        "benchmark": "spark-start",
-        "archive_mib": archive.stat().st_size / 2**20,
-        "medians": medians,
-        "with/without": medians["with"]["total_s"] / medians["without"]["total_s"],
-        "runs": runs,
-    }
+    return with_and_without("spark-start", archive, runs)

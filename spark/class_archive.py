@@ -10,10 +10,9 @@ JVM that finds an archive it cannot use (another class path, say) ignores it."""
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from pathlib import Path
 
+from config.jvm import java
 from config.settings import Settings
 
 # The JVM's messages about the archive (a class it cannot archive, a class path that differs
@@ -21,17 +20,11 @@ from config.settings import Settings
 QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
-def _java() -> str:
-    home = os.environ.get("JAVA_HOME")
-    found = str(Path(home) / "bin" / "java") if home else shutil.which("java")
-    return os.path.realpath(found) if found else "java"
-
-
 def archive_path(settings: Settings) -> Path:
     """Where the archive for this machine's JVM and pyspark is (it may not exist)."""
     import pyspark
 
-    key = hashlib.sha256(f"{pyspark.__version__} {_java()}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{pyspark.__version__} {java()}".encode()).hexdigest()[:12]
     return settings.lib_path / "spark-cds" / f"spark-{pyspark.__version__}-{key}.jsa"
 
 

@@ -1,26 +1,31 @@
-"""Making the Spark driver's class archive (spark/class_archive.py), once: `make bootstrap`
-runs it, or `python -m stack.class_archive`.
+"""Making the class archives of the JVMs Logfold starts, once: the Spark driver's
+(spark/class_archive.py) and the Kafka broker's (stack/local_kafka.py). `make bootstrap` runs
+it, or `python -m stack.class_archive`.
 
-A JVM that runs a little of what Logfold's jobs do writes the classes it loaded when it exits.
-Only once that JVM has exited cleanly is the file put in place, atomically: a JVM given a
-truncated archive does not start."""
+A JVM that runs a little of what Logfold does writes the classes it loaded when it exits. Only
+once that JVM has exited cleanly is the file put in place, atomically: a JVM given a truncated
+archive does not start."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from config.settings import Settings
+from config.settings import Settings, kafka_client_options, kafka_consumer_options
 from spark.class_archive import QUIET, archive_path
 from spark.session import session
+from stack import local_kafka
+from stack.procs import free_port
 
 
 def ensure(settings: Settings) -> Path:
-    """Make the archive unless it exists: about half a minute, once."""
+    """Make Spark's archive unless it exists: about half a minute, once."""
     path = archive_path(settings)
     if path.is_file():
         return path
@@ -80,18 +85,103 @@ def _write(archive: Path) -> None:
         raise SystemExit(f"the JVM exited with status {jvm.returncode}")
 
 
+def ensure_kafka(lib_dir: Path) -> Path:
+    """Make the Kafka broker's archive unless it exists: a broker started and stopped, with a
+    little of what Logfold asks of it between (about 15 s, once)."""
+    path = local_kafka.archive_path(lib_dir)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    made.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="logfold-kafka-archive-") as data:
+        broker = local_kafka.LocalKafka(
+            lib_dir, Path(data), free_port(), free_port(), class_archive=False
+        )
+        broker.java_options = (f"-XX:ArchiveClassesAtExit={made}", *local_kafka.QUIET_ARCHIVE)
+        try:
+            broker.start()
+            _kafka_work(broker.bootstrap)
+            proc = broker.proc
+            assert proc is not None
+            broker.stop(timeout=60)  # SIGTERM: the JVM writes the archive as it exits
+            # (143: it exited as SIGTERM asks; killed, or failed, its file may be truncated)
+            if proc.returncode not in (0, 128 + signal.SIGTERM) or not made.is_file():
+                raise RuntimeError(f"the broker exited with {proc.returncode}; see {data}")
+            made.replace(path)
+        finally:
+            broker.kill()
+            made.unlink(missing_ok=True)
+    return path
+
+
+def _kafka_work(bootstrap: str) -> None:
+    """What the stack asks of a broker: a compacted topic, a transaction that commits a
+    consumer's offsets with its records, a read of committed records in a group."""
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+    from kafka.admin import KafkaAdminClient, NewTopic
+    from kafka.structs import OffsetAndMetadata
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **kafka_client_options())
+    try:
+        topics = [NewTopic(t, 2, 1, topic_configs={"cleanup.policy": "compact"}) for t in "ab"]
+        admin.create_topics(topics)
+        admin.describe_cluster()
+    finally:
+        admin.close()
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        transactional_id="logfold-class-archive",
+        acks="all",
+        **kafka_client_options(),
+    )
+    consumer = KafkaConsumer(
+        "a",
+        bootstrap_servers=bootstrap,
+        group_id="logfold-class-archive",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        consumer_timeout_ms=10_000,
+        **kafka_consumer_options(),
+    )
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        for i in range(100):
+            producer.send("a", key=b"k%d" % (i % 10), value=b"v%d" % i)
+        producer.commit_transaction()
+        read = [next(consumer) for _ in range(100)]
+        producer.begin_transaction()
+        producer.send("b", key=b"k", value=b"v")
+        offsets = {
+            TopicPartition("a", p): OffsetAndMetadata(
+                max(r.offset for r in read if r.partition == p) + 1, "", -1
+            )
+            for p in {r.partition for r in read}
+        }
+        producer.send_offsets_to_transaction(offsets, consumer.config["group_id"])
+        producer.commit_transaction()
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m stack.class_archive",
-        description="Make the Spark driver's class archive unless it exists (once: each "
-        "Spark process then starts sooner) and print where it is.",
+        description="Make the class archives of Spark's driver and Kafka's broker unless they "
+        "exist (once: each Spark process and each broker then starts sooner) and print where "
+        "they are.",
     )
     parser.add_argument("--write", type=Path, metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
         _write(args.write)
     else:
-        print(ensure(Settings()))
+        settings = Settings()
+        print(ensure(settings))
+        print(ensure_kafka(settings.lib_path))
 
 
 if __name__ == "__main__":
