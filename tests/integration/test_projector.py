@@ -198,7 +198,6 @@ def test_a_late_payment_is_kept_out_of_windows_but_counted_and_reported(
 WRITE_RATE = 20  # commands a second while the rebuild runs
 
 
-@pytest.mark.timeout(1200)  # beyond its command's own bound (900 s), on a slow, busy machine
 def test_rebuild_all_verify_while_commands_flow(
     workload: Workload, procs: Processes, deployment: Settings
 ) -> None:
