@@ -26,9 +26,14 @@ def test_a_spark_session_maps_the_class_archive_bootstrap_made(base_settings: Se
     archive = class_archive.archive_path(base_settings)
     assert archive.is_file(), "`make bootstrap` makes it (python -m stack.class_archive)"
     spark = session(base_settings, "logfold-class-archive-test")
-    gateway = spark.sparkContext._gateway
-    assert gateway is not None
-    assert maps(gateway.proc.pid, archive), "the driver's JVM does not map the class archive"
+    try:
+        gateway = spark.sparkContext._gateway
+        assert gateway is not None
+        assert maps(gateway.proc.pid, archive), "the driver's JVM does not map the class archive"
+    finally:
+        # Not left active: a later module's session (the same JVM's) would get this one's
+        # settings, and its projector too few slots.
+        spark.stop()
 
 
 def test_a_kafka_broker_maps_the_class_archive_bootstrap_made(kafka: LocalKafka) -> None:
