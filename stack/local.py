@@ -440,7 +440,7 @@ class LocalStack:
         child.relay.join(5.0)  # a JVM it started may hold the pipe a moment longer
         if killed:
             self.say(f"{child.name} did not stop within {time.monotonic() - started:.0f} s: killed")
-        elif proc.returncode != 0:
+        elif proc.returncode not in (0, -signal.SIGTERM):  # the latter: before its handler
             self.say(f"{child.name} exited with {proc.returncode} while stopping")
         else:
             self.say(f"stopped {child.name} ({time.monotonic() - started:.1f} s)")

@@ -87,6 +87,18 @@ class RunningStack:
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 180) -> str:
+        self.spawn()
+        try:
+            wait_until(
+                self._printed_token, timeout, "`logfold run` to print its token", fail_fast=True
+            )
+        except (TimeoutError, AssertionError) as e:
+            raise AssertionError(f"{e}; its last lines:\n{self.tail()}") from e
+        line = next(line for line in self.output if "export TOKEN=" in line)
+        return line.split("export TOKEN=", 1)[1].strip()
+
+    def spawn(self) -> None:
+        """`logfold run` started, not waited for."""
         self.output = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stack.cli", "run", *self.args],
@@ -100,14 +112,6 @@ class RunningStack:
         )
         self._collector = threading.Thread(target=self._collect, daemon=True)
         self._collector.start()
-        try:
-            wait_until(
-                self._printed_token, timeout, "`logfold run` to print its token", fail_fast=True
-            )
-        except (TimeoutError, AssertionError) as e:
-            raise AssertionError(f"{e}; its last lines:\n{self.tail()}") from e
-        line = next(line for line in self.output if "export TOKEN=" in line)
-        return line.split("export TOKEN=", 1)[1].strip()
 
     def _printed_token(self) -> bool:
         if any("export TOKEN=" in line for line in self.output):
@@ -224,6 +228,43 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     )
     assert reset.returncode == 0, reset.stderr
     assert not data_dir.exists()
+
+
+def test_ctrl_c_while_the_stack_starts_stops_what_had_started(
+    stack: RunningStack, data_dir: Path
+) -> None:
+    """Ctrl-C before the banner, while the processes are being started (Kafka and Postgres up,
+    the first of them talking, the API and the projector still starting): whatever had started
+    stops, with a line each and no traceback, and nothing is left behind: no port open, no
+    `stack.env`, no process of the stack."""
+    stack.spawn()
+    wait_until(
+        lambda: any(re.match(r"(webhooks|processor|cdc) +\| ", line) for line in stack.output),
+        120,
+        "the first of `logfold run`'s processes to log",
+    )
+    assert stack.interrupt() == 0, stack.tail()
+    said = "".join(stack.output[stack.interrupted_at :])
+    assert "Traceback" not in said and "\tat " not in said, said
+    assert "stopped Postgres" in said and "stopped Kafka" in said, said
+    # Each process stopped when asked, even one that had not yet set up its own handler.
+    assert "while stopping" not in said and "killed" not in said, said
+    assert not any(port_open(p) for p in (stack.kafka_port, stack.pg_port, stack.api_port))
+    assert not (data_dir / "stack.env").exists()
+    assert processes_naming(str(data_dir)) == []
+
+
+def processes_naming(text: str) -> list[str]:
+    """The command lines of the machine's processes that hold `text`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if text in line:
+            found.append(line)
+    return found
 
 
 PREFIXED = re.compile(r"^(run|processor|projector|cdc|webhooks|api) +\| ")
