@@ -35,6 +35,13 @@ from projections.registry import CAPTURED
 
 log = logging.getLogger(__name__)
 
+# The wait before streaming again after a failure: doubling while Postgres or Kafka stays away,
+# from the first to the longest, which bounds how late the changelogs resume once it is back.
+# A session that streamed (the failure ended a stream, it did not stop one from starting)
+# waits the first again.
+RETRY_S = 0.5
+RETRY_MAX_S = 2.0
+
 FLUSH_EVERY_S = 0.02  # at most this long between a commit and its records' Kafka flush
 FLUSH_RECORDS = 2000  # or this many records, whichever comes first
 
@@ -96,22 +103,25 @@ class Capture:
         self._relations: dict[int, pgoutput.Relation] = {}
         self.confirmed = 0  # last LSN confirmed to the slot (for tests and logs)
         self.failures = 0  # times streaming failed and started over from the slot
+        self.streaming = False  # this session's replication started
 
     # -- the loop -------------------------------------------------------------------------
 
     def run(self) -> None:
         """Stream until stop(); on a Kafka or Postgres failure, start over from the slot."""
         prepare(self.settings, self.tables)
-        backoff = 0.5
+        backoff = RETRY_S
         while not self._stopping.is_set():
+            self.streaming = False
             try:
                 self._stream()
-                backoff = 0.5
             except (KafkaError, psycopg2.Error, psycopg.Error, OSError) as e:
                 self.failures += 1
+                if self.streaming:
+                    backoff = RETRY_S
                 log.warning("cdc: %s; resuming from the slot in %.1fs", e, backoff)
                 self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+                backoff = min(backoff * 2, RETRY_MAX_S)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -143,6 +153,7 @@ class Capture:
                 options={"proto_version": "1", "publication_names": self.slot},
             )
             log.info("cdc: streaming slot %s into %scdc.*", self.slot, self.topics.prefix)
+            self.streaming = True
             self._relations.clear()
             self._consume(cur, producer)
         finally:
