@@ -221,6 +221,9 @@ class _Table:
     newest_xid: int | None = None  # of the changes seen, widened to 64 bits as they come
     dropped_xid: int | None = None  # the newest transaction of the changes dropped from the ring
     next_offset: int | None = None  # in its changelog, after the last record taken; None: unread
+    # The CDC slot's first snapshot, once its rows were seen: a reader's snapshot that does not
+    # cover it was read before the slot existed (the changes in between were never streamed).
+    initial: Snapshot | None = None
     # Notified (under the hub's lock) whenever changes of the table arrive or its history
     # breaks: long-polls wait on it.
     changed: threading.Condition | None = None
@@ -425,6 +428,11 @@ class Hub:
             for change in changes:
                 if change.position <= t.last:
                     continue  # resent by a restarted CDC process
+                if change.snapshot is not None and change.snapshot != t.initial:
+                    # The rows of a new slot's first snapshot: what changed before it was
+                    # never streamed. Who read the table earlier takes a new snapshot.
+                    t.initial = change.snapshot
+                    self._break(t, f"{table}'s changelog starts from a new CDC slot's snapshot")
                 if t.served_from == UNKNOWN:
                     t.served_from = change.position
                 t.last = change.position
@@ -566,6 +574,8 @@ class Hub:
             dropped = t.dropped_xid
             if dropped is not None and widen(dropped, after.xmax) >= after.xmin:
                 raise Unservable(table)
+            if t.initial is not None and not after.covers(t.initial):
+                raise Unservable(table)  # read before the CDC slot existed
         elif t.served_from is not None and after < t.served_from:
             raise Unservable(table)
 

@@ -26,7 +26,7 @@ from kafka.errors import KafkaError
 from sqlalchemy import Table
 
 from cdc import pgoutput
-from cdc.changes import Change, WalPosition, record_for
+from cdc.changes import Change, Snapshot, WalPosition, record_for
 from config.settings import Settings, kafka_client_options, slot_name
 from config.topics import Topics
 from events.store import close_within
@@ -293,13 +293,17 @@ class Capture:
         with psycopg.connect(self.settings.database()) as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
             conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+            # Which transactions the rows hold, for readers to tell whether theirs do too.
+            found = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+            assert found is not None
+            exported = Snapshot.parse(found[0])
             seq = 0
             for name, table in self.tables.items():
                 for row in _rows(conn, name):
                     seq += 1
-                    change = Change(
-                        name, "insert", self._key(table, row), row, None, WalPosition(start, seq)
-                    )
+                    key_ = self._key(table, row)
+                    position = WalPosition(start, seq)
+                    change = Change(name, "insert", key_, row, None, position, snapshot=exported)
                     key, value, headers = record_for(change, None)
                     future = producer.send(
                         self.topics.cdc(name), key=key, value=value, headers=headers

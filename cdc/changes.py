@@ -42,9 +42,14 @@ class Change:
     size: int = field(default=0, compare=False)  # bytes of its record (what it weighs queued)
     xid: int | None = field(default=None, compare=False)  # its transaction (32-bit); None: the
     # slot's first snapshot
+    # A row of the slot's first snapshot: the MVCC snapshot it was read in. A reader whose own
+    # snapshot does not cover it read the table before the slot existed, and the changes made
+    # between the two were never streamed (see app/hub.py).
+    snapshot: Snapshot | None = field(default=None, compare=False)
 
 
 XID_SPAN = 1 << 32
+COVERS_SPAN = 1 << 20  # `Snapshot.covers` looks at no more transactions (else: not covered)
 
 
 def seen_as(filter: dict[str, Any], change: Change) -> str | None:
@@ -109,12 +114,26 @@ class Snapshot:
     def __str__(self) -> str:
         return f"{self.xmin}:{self.xmax}:{','.join(str(x) for x in sorted(self.xip))}"
 
+    def covers(self, other: Snapshot) -> bool:
+        """Whether this snapshot sees every transaction `other` sees (it was taken at the same
+        time or later). Snapshots far apart are told by their bounds alone; close ones (which
+        can see each other's running transactions differently) transaction by transaction."""
+        if other.xmax <= self.xmin:
+            return True
+        if other.xmax > self.xmax or other.xmax - self.xmin > COVERS_SPAN:
+            return False
+        return all(self._visible(x) for x in range(self.xmin, other.xmax) if other._visible(x))
+
     def sees(self, xid: int | None) -> bool:
-        """Whether the transaction `xid` (32-bit, from the WAL) is in this snapshot. Changes
-        of the slot's first snapshot (no xid) predate every snapshot a reader can take."""
+        """Whether the transaction `xid` (32-bit, from the WAL) is in this snapshot. The rows
+        of the slot's first snapshot (no xid) are taken as seen: a reader's snapshot that does
+        not cover theirs (`covers`) is not served (app/hub.py)."""
         if xid is None:
             return True
-        full = widen(xid, self.xmax)
+        return self._visible(widen(xid, self.xmax))
+
+    def _visible(self, full: int) -> bool:
+        """Whether the transaction `full` (64-bit) is in this snapshot."""
         return full < self.xmin or (full < self.xmax and full not in self.xip)
 
 
@@ -129,6 +148,8 @@ def record_for(
     headers = [("op", change.op.encode()), ("position", str(change.position).encode())]
     if change.xid is not None:
         headers.append(("xid", str(change.xid).encode()))
+    if change.snapshot is not None:
+        headers.append(("snapshot", str(change.snapshot).encode()))
     if committed_at is not None:
         stamp = committed_at.astimezone(UTC).isoformat().replace("+00:00", "Z")
         headers.append(("committed_at", stamp.encode()))
@@ -152,9 +173,13 @@ def from_record(
     op: Op = h["op"].decode()  # type: ignore[assignment]
     position = WalPosition.parse(h["position"].decode())
     xid = int(h["xid"]) if "xid" in h else None
+    snapshot = Snapshot.parse(h["snapshot"].decode()) if "snapshot" in h else None
     if value is None:
         before = json.loads(h["before"]) if "before" in h else None
-        return Change(table, "delete", json.loads(key), None, before, position, len(key), xid)
+        return Change(
+            table, "delete", json.loads(key), None, before, position, len(key), xid, snapshot
+        )
     body = json.loads(value)
     size = len(key) + len(value)
-    return Change(table, op, json.loads(key), body["row"], body.get("before"), position, size, xid)
+    row, before = body["row"], body.get("before")
+    return Change(table, op, json.loads(key), row, before, position, size, xid, snapshot)

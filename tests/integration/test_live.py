@@ -6,6 +6,7 @@ a version bumped by one per update shows every gap and duplicate a client would 
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,6 +84,41 @@ def test_snapshot_then_every_change_in_order_under_concurrent_writes(
     for client in clients:
         client.wait_for(_holds(client, "s", final), "the client to hold the final rows")
         assert_consecutive(versions_seen(client.of("s")), final)
+        client.close()
+
+
+def test_a_snapshot_read_before_the_cdc_slot_existed_is_taken_again(fresh: Settings) -> None:
+    """A deployment's first start: a client subscribes before CDC has made its slot. The
+    changes made after its snapshot and before the slot's own are never streamed (the slot's
+    first rows hold them folded), so that snapshot cannot be handed off: the client gets
+    `resync` and a new snapshot, then every change in order (guarantee 12)."""
+    keys, group = _keys(2)
+    insert_customers(fresh, keys, group)
+    with servers(fresh) as start:
+        url, _ = start()
+        client = WsClient(url, token("views:read"))
+        client.subscribe("s", "customers", {"name": group})
+        client.wait_for(_has_snapshot(client, "s"), "the first snapshot")
+        Writer(fresh, keys, total=10).run()  # no slot yet: never streamed
+        capture = Capture(fresh)
+        thread = threading.Thread(target=capture.run, name="cdc", daemon=True)
+        thread.start()
+        try:
+            Writer(fresh, keys, total=10).run()  # in the slot's first rows, or streamed
+            final = table_versions(fresh, keys)
+            client.wait_for(_holds(client, "s", final), "the client to hold the final rows")
+        finally:
+            capture.stop()
+            thread.join(timeout=30)
+        got = client.of("s")
+        assert [m["type"] for m in got if m["type"] != "change"] == [
+            "subscribed",
+            "snapshot",
+            "resync",
+            "snapshot",
+        ], got
+        assert [r["version"] for r in got[1]["rows"]] == [0, 0]
+        assert_consecutive(versions_seen(got), final)
         client.close()
 
 

@@ -192,6 +192,71 @@ def test_a_snapshot_needs_every_transaction_it_does_not_see_in_the_history() -> 
     hub.subscribe(_sub(Client(100)), Snapshot(102, 104, frozenset()))  # 101 is in it
 
 
+def test_a_snapshot_covers_another_when_it_sees_every_transaction_the_other_sees() -> None:
+    slot = Snapshot(100, 105, frozenset({102}))  # saw below 100, 100, 101, 103, 104
+    assert Snapshot(200, 210, frozenset()).covers(slot)  # far later: by the bounds alone
+    assert Snapshot(102, 106, frozenset({102})).covers(slot)  # 102 still running: not in either
+    assert Snapshot(100, 105, frozenset({102})).covers(slot)  # the same
+    assert not Snapshot(90, 99, frozenset()).covers(slot)  # earlier
+    assert not Snapshot(100, 105, frozenset({103})).covers(slot)  # 103 running for it
+    assert not Snapshot(98, 104, frozenset()).covers(slot)  # 104 not started for it
+    assert not Snapshot(1, 2 + (1 << 21), frozenset()).covers(
+        Snapshot(1 << 21, 1 + (1 << 21), frozenset())
+    )
+
+
+def test_readers_of_the_table_from_before_the_cdc_slot_take_a_new_snapshot() -> None:
+    """The first rows of a CDC slot hold the table as of the slot's snapshot; what changed
+    before it was never streamed. A subscription whose rows were read earlier cannot tell what
+    it missed: it gets `resync` (then a new snapshot), and such a snapshot is not served; one
+    read later gets what its snapshot does not see, as ever."""
+    hub, early, late = _hub(), Client(100), Client(100)
+    before = Snapshot(50, 52, frozenset())  # read before the slot: o1 at version 1
+    hub.subscribe(_sub(early), before, {"type": "snapshot", "id": "s", "position": str(before)})
+    slot = Snapshot(60, 61, frozenset())
+    first = [
+        Change(
+            "orders",
+            "insert",
+            {"order_id": o},
+            {"order_id": o, "version": 3},
+            None,
+            WalPosition(500, n),
+            snapshot=slot,
+        )
+        for n, o in enumerate(("o1", "o2"), start=1)
+    ]
+    hub._apply("orders", first)
+    assert [m["type"] for m in _taken(early)] == ["snapshot", "resync", "_resubscribe"]
+    assert hub.resyncs == 1
+    with pytest.raises(Unservable):
+        hub.subscribe(_sub(Client(100)), before)
+    after = Snapshot(70, 72, frozenset({70}))
+    hub.subscribe(_sub(late), after, {"type": "snapshot", "id": "s", "position": str(after)})
+    hub._apply("orders", [_tx(501, "o3", 70), _tx(502, "o4", 71)])
+    got = [m.get("key", {}).get("order_id") or m["type"] for m in _taken(late)]
+    assert got == ["snapshot", "o3"]  # the slot's rows and 71 are in its snapshot
+    # Resent by a restarted CDC process (the same slot): nothing breaks again.
+    hub._apply("orders", first)
+    assert hub.resyncs == 1 and _taken(late) == []
+
+
+def test_a_slot_snapshot_travels_in_its_records() -> None:
+    slot = Snapshot(60, 65, frozenset({61, 63}))
+    change = Change(
+        "orders",
+        "insert",
+        {"order_id": "o1"},
+        {"order_id": "o1"},
+        None,
+        WalPosition(5, 1),
+        snapshot=slot,
+    )
+    assert hub_module._decode("orders", _record(0, change)).snapshot == slot
+    plain = _change(6, "o1", {"order_id": "o1"})
+    assert hub_module._decode("orders", _record(1, plain)).snapshot is None
+
+
 def test_transaction_ids_compare_across_the_32_bit_wraparound() -> None:
     epoch = 7 << 32
     around = Snapshot(epoch - 5, epoch + 5, frozenset({epoch - 2}))
