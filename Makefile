@@ -20,13 +20,8 @@ run: bootstrap
 cluster: bootstrap
 	.venv/bin/logfold run --cluster
 
-# Two pytest workers (pytest-xdist), each module on one, each worker with its own Kafka broker
-# and Postgres: on two cores one worker's waits (a broker frozen, a timeout) overlap the other's
-# work. TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
-
 test: bootstrap lint
-	.venv/bin/pytest -n $(TEST_WORKERS) --dist loadfile
+	.venv/bin/pytest
 
 test-unit: bootstrap
 	.venv/bin/pytest tests/unit
