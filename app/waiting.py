@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 
+from config.retry import Backoff
 from projections.base.progress import CHANNEL
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,13 @@ class ProgressSignal:
             self._changed.notify_all()
 
     def _listen(self) -> None:
-        backoff = 0.5
+        backoff = Backoff(0.5, 5.0)
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(self.url, autocommit=True, connect_timeout=3) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self._signal(listening=True)  # what changed before is looked at again
-                    backoff = 0.5
+                    backoff.reset()
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=1.0, stop_after=1):
                             self._signal(listening=True)
@@ -77,8 +78,7 @@ class ProgressSignal:
                 if self.listening:
                     log.warning("not listening for progress (%s); waiters poll", e)
                 self._signal(listening=False)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                self._stopping.wait(backoff.next())
         self._signal(listening=False)
 
 

@@ -27,6 +27,7 @@ from sqlalchemy import Table
 
 from cdc import pgoutput
 from cdc.changes import Change, Snapshot, WalPosition, record_for
+from config.retry import Backoff
 from config.settings import Settings, kafka_client_options, slot_name
 from config.topics import Topics
 from events.store import close_within
@@ -110,7 +111,7 @@ class Capture:
     def run(self) -> None:
         """Stream until stop(); on a Kafka or Postgres failure, start over from the slot."""
         prepare(self.settings, self.tables)
-        backoff = RETRY_S
+        backoff = Backoff(RETRY_S, RETRY_MAX_S)
         while not self._stopping.is_set():
             self.streaming = False
             try:
@@ -118,10 +119,10 @@ class Capture:
             except (KafkaError, psycopg2.Error, psycopg.Error, OSError) as e:
                 self.failures += 1
                 if self.streaming:
-                    backoff = RETRY_S
-                log.warning("cdc: %s; resuming from the slot in %.1fs", e, backoff)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
+                    backoff.reset()
+                wait = backoff.next()
+                log.warning("cdc: %s; resuming from the slot in %.1fs", e, wait)
+                self._stopping.wait(wait)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -301,9 +302,10 @@ class Capture:
             for name, table in self.tables.items():
                 for row in _rows(conn, name):
                     seq += 1
-                    key_ = self._key(table, row)
-                    position = WalPosition(start, seq)
-                    change = Change(name, "insert", key_, row, None, position, snapshot=exported)
+                    key_columns, position = self._key(table, row), WalPosition(start, seq)
+                    change = Change(
+                        name, "insert", key_columns, row, None, position, snapshot=exported
+                    )
                     key, value, headers = record_for(change, None)
                     future = producer.send(
                         self.topics.cdc(name), key=key, value=value, headers=headers

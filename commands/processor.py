@@ -33,6 +33,7 @@ from commands.handling import (
 from commands.keys import KeyStore
 from commands.messages import CommandMessage, LogPosition, Reply
 from commands.registry import AGGREGATES
+from config.retry import Backoff
 from config.settings import (
     IDLE_POLL_MS,
     KAFKA_REQUEST_TIMEOUT_MS,
@@ -380,22 +381,23 @@ class CommandProcessor:
 
     def run(self) -> None:
         """Process commands until `stop()`; start over from committed state after any error."""
-        backoff, failed = SESSION_BACKOFF_S, 0
+        backoff, failed = Backoff(SESSION_BACKOFF_S, SESSION_BACKOFF_MAX_S), 0
         while not self._stopping.is_set():
             self._reached = False
             try:
                 self._session()
-                backoff, failed = SESSION_BACKOFF_S, 0
+                backoff.reset()
+                failed = 0
             except Exception as e:
                 if self._reached:  # Kafka answered this session: not the outage backed off from
-                    backoff, failed = SESSION_BACKOFF_S, 0
+                    backoff.reset()
+                    failed = 0
                 failed += 1
                 if failed == 1:  # the first failure in a row with its traceback, later ones a line
                     log.exception("command processing failed; restarting from committed state")
                 else:
                     log.warning("command processing failed again (%d in a row): %s", failed, e)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, SESSION_BACKOFF_MAX_S)
+                self._stopping.wait(backoff.next())
             finally:
                 self._close()
 
