@@ -31,6 +31,10 @@ CODEGEN_CACHE = 1000
 # one: Spark's own bound for a job waiting for its resources
 # (`spark.scheduler.maxRegisteredResourcesWaitingTime`).
 EXECUTOR_WAIT_S = 30.0
+# A cluster's executors register one by one, seconds apart under load: a session that needs more
+# task slots than its first executor offers waits while more keep coming, until none has come
+# for this long (or the slots are there, or EXECUTOR_WAIT_S has passed).
+EXECUTORS_SETTLE_S = 5.0
 CHECKPOINT_FILE_MANAGER = (
     "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
 )
@@ -102,7 +106,7 @@ def session(
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel(level)
-    wait_for_executors(spark, EXECUTOR_WAIT_S)
+    wait_for_executors(spark, EXECUTOR_WAIT_S, slots)
     return spark
 
 
@@ -113,27 +117,38 @@ def executors(spark: SparkSession) -> int:
     return max(int(status.size()) - 1, 0)
 
 
-def wait_for_executors(spark: SparkSession, timeout_s: float) -> bool:
-    """On a cluster's master, wait up to `timeout_s` for the application's first executor; say
-    whether one came (a local master runs its tasks in the driver: at once). A session's
-    first decisions (the projector's mode, by the task slots Spark offers) are then made on
-    the cluster's executors, not before the first has registered (a few seconds after the
-    application, on a standalone cluster). Past the bound it goes on: its jobs wait for
-    executors, and the projector's status reports none."""
+def wait_for_executors(spark: SparkSession, timeout_s: float, slots: int = 0) -> bool:
+    """On a cluster's master, wait up to `timeout_s` for the application's first executor, and
+    while the executors registered offer fewer than `slots` task slots, for more (until none
+    has come for EXECUTORS_SETTLE_S); say whether one came (a local master runs its tasks in
+    the driver: at once). A session's first decisions (the projector's mode, by the task
+    slots Spark offers) are then made on the cluster's executors, not before they have
+    registered (a few seconds after the application, on a standalone cluster, one worker's
+    after another's). Past the bound it goes on: its jobs wait for executors, and the
+    projector's status reports none (or the slots it lacks)."""
     if (spark.sparkContext.master or "").startswith("local"):
         return True
     deadline = time.monotonic() + timeout_s
-    while executors(spark) == 0:
-        if time.monotonic() >= deadline:
-            log.warning(
-                "no executor of %s registered within %.0f s: going on without one (are its "
-                "workers up, with the cores and memory it asks for?)",
-                spark.sparkContext.master,
-                timeout_s,
-            )
-            return False
+    seen, seen_at = 0, time.monotonic()
+    while True:
+        now, count = time.monotonic(), executors(spark)
+        if count != seen:
+            seen, seen_at = count, now
+        if count > 0 and (
+            int(spark.sparkContext.defaultParallelism) >= slots
+            or now - seen_at >= EXECUTORS_SETTLE_S
+        ):
+            return True
+        if now >= deadline:
+            if count == 0:
+                log.warning(
+                    "no executor of %s registered within %.0f s: going on without one (are "
+                    "its workers up, with the cores and memory it asks for?)",
+                    spark.sparkContext.master,
+                    timeout_s,
+                )
+            return count > 0
         time.sleep(0.1)
-    return True
 
 
 def quiet_stop(spark: SparkSession, settings: Settings) -> None:
