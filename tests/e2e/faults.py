@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -337,20 +337,24 @@ class OpenLoop:
 
 class VersionsNotDense(AssertionError):
     """A customer's versions in the log have a gap or a duplicate (guarantee 2). `around`: per
-    partition of the customers' topic, the first and last offset of those customers' records."""
+    partition of the customers' topic, the first and last offset of those customers' records;
+    `aggregates`: those customers."""
 
-    def __init__(self, said: list[str], around: dict[int, tuple[int, int]]) -> None:
+    def __init__(
+        self, said: list[str], around: dict[int, tuple[int, int]], aggregates: set[str]
+    ) -> None:
         super().__init__(said)
-        self.around = around
+        self.around, self.aggregates = around, aggregates
 
 
 def where_versions_are(
     settings: Settings, log: list[Any]
-) -> tuple[list[str], dict[int, tuple[int, int]]]:
+) -> tuple[list[str], dict[int, tuple[int, int]], set[str]]:
     """For each aggregate whose versions are not dense: every record of it in the topic, read
     uncommitted, with its partition and offset, and whether a committed read sees it. Says
     whether a missing version was written and aborted, or never written (or lost). Also: per
-    partition, the first and last offset of those records (`VersionsNotDense.around`)."""
+    partition, the first and last offset of those records (`VersionsNotDense.around`), and
+    those aggregates."""
     dense: dict[str, list[int]] = defaultdict(list)
     for e in log:
         dense[e.aggregate_id].append(e.version)
@@ -381,7 +385,7 @@ def where_versions_are(
     finally:
         consumer.close()
     said = [f"{agg} in the topic: {', '.join(found[agg])}" for agg in sorted(broken)]
-    return said, {p: (min(os), max(os)) for p, os in offsets.items()}
+    return said, {p: (min(os), max(os)) for p, os in offsets.items()}, broken
 
 
 BATCH = re.compile(r"^baseOffset: (\d+) lastOffset: (\d+) ")
@@ -399,21 +403,9 @@ def log_batches(
     said = []
     for partition, (first, last) in sorted(around.items()):
         low, high = first - margin, last + margin
-        for node in sorted(kafka_dir.glob("node-*")):
-            files = sorted((node / "log" / f"{topic}-{partition}").glob("*.log"))
-            if not files:
-                continue
-            jars = f"{REPO / '.stack' / 'lib' / 'kafka'}/*"
-            segments = ",".join(str(f) for f in files)
-            dump = ["kafka.tools.DumpLogSegments", "--print-data-log", "--files", segments]
-            out = subprocess.run(
-                ["java", "-cp", jars, *dump],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            said.append(f"--- {node.name}, {topic}-{partition}, offsets {low}..{high}:")
-            for line in out.stdout.splitlines():
+        for node, lines in _dumps(kafka_dir, topic, partition):
+            said.append(f"--- {node}, {topic}-{partition}, offsets {low}..{high}:")
+            for line in lines:
                 batch, record = BATCH.match(line), RECORD.match(line)
                 span = (int(batch[1]), int(batch[2])) if batch else None
                 if record:
@@ -421,6 +413,50 @@ def log_batches(
                 if span is not None and span[1] >= low and span[0] <= high:
                     said.append(line[:240])
     return said
+
+
+def keyed_records(
+    kafka_dir: Path, topic: str, partitions: Iterable[int], keys: Iterable[str]
+) -> list[str]:
+    """Each node's records of `topic` whose key is one of `keys` (a snapshot's
+    `customer:<id>`, with its version), each after its batch's line (producer id and epoch,
+    to match with the events' batches that `log_batches` shows) and before the marker that
+    ended its transaction (the partition's one writer's next COMMIT or ABORT)."""
+    wanted = [f"key: {k} " for k in keys]
+    said = []
+    for partition in sorted(set(partitions)):
+        for node, lines in _dumps(kafka_dir, topic, partition):
+            said.append(f"--- {node}, {topic}-{partition}, records of {len(wanted)} keys:")
+            batch, ended = "", True
+            for line in lines:
+                if BATCH.match(line):
+                    batch = line
+                elif not RECORD.match(line):
+                    continue
+                elif any(w in line for w in wanted):
+                    said += [batch[:240], line[:400]]
+                    ended = False
+                elif "endTxnMarker" in line and not ended:
+                    said.append(line[:240])
+                    ended = True
+    return said
+
+
+def _dumps(kafka_dir: Path, topic: str, partition: int) -> Iterator[tuple[str, list[str]]]:
+    """Each node's name and the lines DumpLogSegments prints of its files of that partition."""
+    for node in sorted(kafka_dir.glob("node-*")):
+        files = sorted((node / "log" / f"{topic}-{partition}").glob("*.log"))
+        if not files:
+            continue
+        jars = f"{REPO / '.stack' / 'lib' / 'kafka'}/*"
+        dump = ["kafka.tools.DumpLogSegments", "--print-data-log", "--files"]
+        out = subprocess.run(
+            ["java", "-cp", jars, *dump, ",".join(str(f) for f in files)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        yield node.name, out.stdout.splitlines()
 
 
 def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
@@ -432,8 +468,8 @@ def check_commands(settings: Settings, run: str, sent: list[Logical]) -> str:
     ours = {e.aggregate_id for e in everything if e.data.get("email", "").startswith(f"{run}-")}
     log = [e for e in everything if e.aggregate_id in ours]
     if problems := version_problems(log):
-        said, around = where_versions_are(settings, log)
-        raise VersionsNotDense(problems[:10] + said, around)
+        said, around, broken = where_versions_are(settings, log)
+        raise VersionsNotDense(problems[:10] + said, around, broken)
     by_email: dict[str, list[Any]] = defaultdict(list)
     for e in log:
         if "email" in e.data:

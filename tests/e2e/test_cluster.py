@@ -37,6 +37,7 @@ from tests.e2e.faults import (
     check_commands,
     check_followers,
     followed,
+    keyed_records,
     log_batches,
 )
 from tests.e2e.test_local_stack import RunningStack
@@ -190,11 +191,19 @@ def under_load(
         except AssertionError as e:
             if broker_fault and isinstance(e, VersionsNotDense):
                 said = [ln for ln in cluster.stack.output if ln.startswith("processor")]
-                topic = Topics(cluster.settings.topic_prefix).events("customer")
-                held = log_batches(cluster.stack.data_dir / "cluster" / "kafka", topic, e.around)
+                topics = Topics(cluster.settings.topic_prefix)
+                kafka = cluster.stack.data_dir / "cluster" / "kafka"
+                held = log_batches(kafka, topics.events("customer"), e.around)
+                # Their snapshots, in the same partitions: a snapshot committed past the events
+                # (or one whose transaction's events were aborted) shows there.
+                keys = [f"customer:{a}" for a in sorted(e.aggregates)]
+                snapshots = keyed_records(kafka, topics.snapshots, e.around, keys)
                 pytest.xfail(
                     f"{BROKER_GAP}: {e}\n--- what the processors said:\n{''.join(said[-60:])}"
-                    "--- what each Kafka node holds there:\n" + "\n".join(held)
+                    "--- what each Kafka node holds there:\n"
+                    + "\n".join(held)
+                    + "\n--- their snapshots on each node:\n"
+                    + "\n".join(snapshots)
                 )
             raise AssertionError(f"{e}\n--- the stack's last lines:\n{cluster.stack.tail()}") from e
         resumed = [f.resumed for f in followers]
