@@ -5,6 +5,11 @@ the server's WAL until we confirm a position. Each decoded transaction becomes r
 `cdc.<table>` topics (format in docs/cdc.md); the slot's position is confirmed only after Kafka
 acknowledged every record before it, so a crash loses nothing: Postgres resends everything after
 the confirmed position, and the records' positions let consumers drop what they already have.
+
+Those consumers take a record older than one they hold for a resend, so a record Kafka did not
+take must have nothing after it in its changelog: at the first send that fails, the session's
+producer stops at once (what it still holds is dropped, not sent), and the next session resends
+everything from the confirmed position, in order.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import psycopg2
 import psycopg2.extensions
 import psycopg2.extras
 from kafka import KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, MessageSizeTooLargeError
 from sqlalchemy import Table
 
 from cdc import pgoutput
@@ -30,7 +35,7 @@ from cdc.changes import Change, Snapshot, WalPosition, record_for
 from config.retry import Backoff
 from config.settings import Settings, kafka_client_options, slot_name
 from config.topics import Topics
-from events.store import close_within
+from events.store import close_within, stop_sending
 from projections.base.wire import wire_row, wire_value
 from projections.registry import CAPTURED
 
@@ -105,6 +110,8 @@ class Capture:
         self.confirmed = 0  # last LSN confirmed to the slot (for tests and logs)
         self.failures = 0  # times streaming failed and started over from the slot
         self.streaming = False  # this session's replication started
+        # The first record this session's producer failed to write: nothing is sent after it.
+        self.send_failed: BaseException | None = None
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -128,6 +135,7 @@ class Capture:
         self._stopping.set()
 
     def _stream(self) -> None:
+        self.send_failed = None
         producer = KafkaProducer(
             bootstrap_servers=self.settings.kafka(),
             **kafka_client_options(),
@@ -137,6 +145,7 @@ class Capture:
             # partition, where readers would take it for a resend and drop it.
             enable_idempotence=True,
             linger_ms=5,
+            max_request_size=self.settings.cdc_max_record_bytes,
             max_block_ms=int(self.settings.kafka_timeout_s * 1000),
             request_timeout_ms=int(self.settings.kafka_timeout_s * 1000),
         )
@@ -159,6 +168,8 @@ class Capture:
             self._consume(cur, producer)
         finally:
             conn.close()
+            if self.send_failed is not None:
+                stop_sending(producer, 1)  # (stopped already by `_failed`: this waits for it)
             close_within(producer, 1)
 
     def _consume(self, cur: Any, producer: KafkaProducer) -> None:
@@ -269,7 +280,45 @@ class Capture:
 
     def _send(self, producer: KafkaProducer, change: Change, commit: pgoutput.Commit) -> Any:
         key, value, headers = record_for(change, commit.committed_at)
-        return producer.send(self.topics.cdc(change.table), key=key, value=value, headers=headers)
+        try:
+            if self.send_failed is None:
+                topic = self.topics.cdc(change.table)
+                future = producer.send(topic, key=key, value=value, headers=headers)
+                return future.add_errback(self._failed, producer, change)
+        except AssertionError:  # its accumulator closed by `_failed` meanwhile (another thread)
+            if self.send_failed is None:
+                raise
+        raise KafkaError(
+            f"cdc: not sending the change of {change.table} at {change.position}: an earlier "
+            f"record was not written ({self.send_failed!r}); starting over from the slot"
+        )
+
+    def _failed(self, producer: KafkaProducer, change: Change, error: BaseException) -> None:
+        """The first send of the session that failed: stop the producer at once, so nothing
+        after it reaches its changelog before the next session resends it (called by
+        kafka-python, in its sender's thread or, for a record refused outright, in `send`)."""
+        if self.send_failed is not None:
+            return
+        self.send_failed = error
+        producer._sender.force_close()  # flags only: the sender stops after this turn
+        hint = ""
+        if isinstance(error, MessageSizeTooLargeError):
+            hint = (
+                f"; a row this large needs LOGFOLD_CDC_MAX_RECORD_BYTES (now "
+                f"{self.settings.cdc_max_record_bytes}) and the topic's max.message.bytes "
+                "raised (kafka-configs --alter --entity-type topics --entity-name "
+                f"{self.topics.cdc(change.table)} --add-config max.message.bytes=<bytes>), "
+                "then CDC restarted"
+            )
+        log.error(
+            "cdc: Kafka did not take the change of %s %s at %s (%r): nothing after it is "
+            "sent, and CDC starts over from the slot's confirmed position%s",
+            change.table,
+            change.key,
+            change.position,
+            error,
+            hint,
+        )
 
     # -- the slot and its first snapshot ---------------------------------------------------
 

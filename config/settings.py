@@ -175,6 +175,10 @@ class Settings(BaseSettings):
     # projector down). The topic check at start refuses smaller values (larger ones are fine).
     cdc_compaction_lag_ms: int = Field(default=CHANGELOG_KEEP_MS, ge=0)
     cdc_delete_retention_ms: int = Field(default=CHANGELOG_KEEP_MS, ge=0)
+    # The largest changelog record CDC sends (a row with its before-image): kafka-python's
+    # `max_request_size`, Kafka's own default. A larger row stops CDC at it (nothing after it is
+    # sent, none is lost) until this and the topic's `max.message.bytes` are raised.
+    cdc_max_record_bytes: int = Field(default=1024 * 1024, ge=1024)
 
     ws_max_subscriptions: int = Field(default=20, ge=1)  # per connection
     ws_max_per_subject: int = Field(default=100, ge=1)  # open websockets per token subject

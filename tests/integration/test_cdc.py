@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from flask.testing import FlaskClient
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
+from kafka.errors import MessageSizeTooLargeError
 
 from cdc.capture import Capture
 from config.settings import Settings, slot_name
@@ -180,6 +181,44 @@ def test_the_slot_is_confirmed_only_after_kafka_acknowledged(fresh: Settings) ->
         admin.close()
         capture.stop()
         thread.join(30)
+
+
+def test_a_change_kafka_does_not_take_has_nothing_after_it_in_its_changelog(
+    fresh: Settings,
+) -> None:
+    """A row larger than CDC may send, committed with a small one after it: while CDC cannot
+    send the large one, nothing after it reaches the changelog (its readers take a record
+    older than one they hold for a resend: the large one, sent later, would be dropped);
+    with the limit raised, both arrive in order, and a reader that drops resends gets both."""
+    big, small = _keys(2)
+    limited = fresh.model_copy(update={"cdc_max_record_bytes": 4096})
+    capture, thread = _run_capture(limited)
+    try:
+        wait_until(lambda: slot_ready(fresh), 60, "the first snapshot")
+        with psycopg.connect(fresh.database()) as conn, conn.transaction():
+            sql = "INSERT INTO customers VALUES (%s, %s, %s, now(), 1)"
+            conn.execute(sql, (big, "B" * 10_000, "big@example.com"))
+            conn.execute(sql, (small, "Small", "small@example.com"))
+        wait_until(lambda: capture.failures >= 2, 60, "CDC to stop at the large row twice")
+        assert isinstance(capture.send_failed, MessageSizeTooLargeError), capture.send_failed
+    finally:
+        capture.stop()
+        thread.join(30)
+    keys = {c.key["customer_id"] for c in changelog(fresh, "customers")}
+    assert small not in keys and big not in keys, "a change after the one Kafka did not take"
+
+    capture, thread = _run_capture(fresh)  # the default limit: the row fits
+    try:
+        wait_until(
+            lambda: small in {c.key["customer_id"] for c in changelog(fresh, "customers")},
+            60,
+            "both rows once the limit is raised",
+        )
+    finally:
+        capture.stop()
+        thread.join(30)
+    read = [c.key["customer_id"] for c in distinct(changelog(fresh, "customers"))]
+    assert read[-2:] == [big, small], read
 
 
 def _snapshot_done(settings: Settings) -> bool:
