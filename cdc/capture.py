@@ -112,6 +112,7 @@ class Capture:
         self.streaming = False  # this session's replication started
         # The first record this session's producer failed to write: nothing is sent after it.
         self.send_failed: BaseException | None = None
+        self.sessions = 0  # streaming sessions started (a record's errback names its own)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ class Capture:
         self._stopping.set()
 
     def _stream(self) -> None:
-        self.send_failed = None
+        self.send_failed, self.sessions = None, self.sessions + 1
         producer = KafkaProducer(
             bootstrap_servers=self.settings.kafka(),
             **kafka_client_options(),
@@ -284,7 +285,7 @@ class Capture:
             if self.send_failed is None:
                 topic = self.topics.cdc(change.table)
                 future = producer.send(topic, key=key, value=value, headers=headers)
-                return future.add_errback(self._failed, producer, change)
+                return future.add_errback(self._failed, self.sessions, producer, change)
         except AssertionError:  # its accumulator closed by `_failed` meanwhile (another thread)
             if self.send_failed is None:
                 raise
@@ -293,12 +294,14 @@ class Capture:
             f"record was not written ({self.send_failed!r}); starting over from the slot"
         )
 
-    def _failed(self, producer: KafkaProducer, change: Change, error: BaseException) -> None:
+    def _failed(
+        self, session: int, producer: KafkaProducer, change: Change, error: BaseException
+    ) -> None:
         """The first send of the session that failed: stop the producer at once, so nothing
         after it reaches its changelog before the next session resends it (called by
         kafka-python, in its sender's thread or, for a record refused outright, in `send`)."""
-        if self.send_failed is not None:
-            return
+        if self.send_failed is not None or session != self.sessions:
+            return  # (a record of an earlier session's producer: that session has ended)
         self.send_failed = error
         producer._sender.force_close()  # flags only: the sender stops after this turn
         hint = ""
