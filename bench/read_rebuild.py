@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.archives import with_and_without
 from bench.read_stack import Stack, write_log
+from config.jvm import java
 from config.settings import Settings
 from config.topics import Topics
 from tests.support import child_env
@@ -133,6 +136,61 @@ def _handed_to_the_projector(
         projector.wait(timeout=120)
 
 
+def rebuild_jvms(args: argparse.Namespace) -> dict[str, Any]:
+    """`logfold rebuild --all --here` as a user types it (a new process, its JVM cold), on one
+    log, on this machine's JVM with its class archive against another JVM (`--java-home`, JDK
+    25 or later) three ways: with no archive; with an ahead-of-time cache made from the class
+    archive's small workload (what `make bootstrap` could make); with one its own first rebuild
+    of this log trained (the best such a cache can do). Alternating, a round at a time."""
+    other = Path(args.java_home)
+    caches = Path(tempfile.mkdtemp(prefix="logfold-bench-aot-"))
+    small, trained = caches / "small.aot", caches / "trained.aot"
+    with Stack() as settings:
+        written = write_log(settings, args.events)
+        env = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}
+        env |= child_env(settings)
+        on_other = env | {"JAVA_HOME": str(other)}
+        subprocess.run(
+            [sys.executable, "-m", "stack.class_archive", "--write-aot-cache", str(small)],
+            cwd=ROOT,
+            env=on_other,
+            capture_output=True,
+            check=True,
+            timeout=600,
+        )
+        # The training run: its JVM writes the cache as it exits (a child JVM assembles it).
+        _command(on_other | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCacheOutput={trained}"}, *REBUILD)
+        kinds = {
+            "default JVM, its class archive": env,
+            "other JVM, no archive": on_other,
+            "other JVM, AOT cache of the small workload": on_other
+            | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCache={small}"},
+            "other JVM, AOT cache trained on this rebuild": on_other
+            | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCache={trained}"},
+        }
+        runs: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.repeats):
+            for kind, kind_env in kinds.items():
+                t = time.perf_counter()
+                _command(kind_env, *REBUILD)
+                runs[kind].append(time.perf_counter() - t)
+    shutil.rmtree(caches, ignore_errors=True)
+    medians = {kind: statistics.median(v) for kind, v in runs.items()}
+    default = medians["default JVM, its class archive"]
+    return {
+        "benchmark": "rebuild-jvms",
+        "events_in_log": written,
+        "default_java": java(),
+        "other_java_home": str(other),
+        "cold_command_seconds": runs,
+        "medians": medians,
+        "ratio_to_default": {kind: m / default for kind, m in medians.items()},
+    }
+
+
+REBUILD = ("rebuild", "--all", "--here")
+
+
 def _projector_running(settings: Settings) -> bool:
     """The projector beats and both its queries are active."""
     with psycopg.connect(settings.database()) as conn:
@@ -241,6 +299,7 @@ def copy_rate(settings: Settings, rows: int) -> float:
 _START = """
 import json, time
 t0 = time.perf_counter()
+from config.jvm import java
 from config.settings import Settings
 from spark.session import session
 spark = session(Settings(), "logfold-bench-start")

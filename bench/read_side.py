@@ -87,7 +87,7 @@ from bench.read_api import first_reads, through_the_api
 from bench.read_batch import STAGE_VARIANTS, batch_cost, stages
 from bench.read_freshness import freshness
 from bench.read_idle import idle
-from bench.read_rebuild import rebuild, rebuild_workers, spark_start
+from bench.read_rebuild import rebuild, rebuild_jvms, rebuild_workers, spark_start
 
 
 def main() -> None:
@@ -154,6 +154,17 @@ def main() -> None:
     rw.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     rw.add_argument("--cores", type=int, default=1, help="slots each worker declares")
     rw.add_argument("--executor-memory", default="2g")
+    rj = sub.add_parser(
+        "rebuild-jvms",
+        help="the cold `logfold rebuild --all` on this JVM against another's (JDK 25+) AOT cache",
+    )
+    rj.add_argument("--events", type=int, default=1_000_000)
+    rj.add_argument("--repeats", type=int, default=3, help="rounds, each kind once")
+    rj.add_argument(
+        "--java-home",
+        required=True,
+        help="the other JDK (25 or later: its ahead-of-time cache), e.g. /usr/lib/jvm/jdk-25",
+    )
     ss = sub.add_parser(
         "spark-start", help="a Spark driver's start with the class archive against without"
     )
@@ -210,6 +221,7 @@ def main() -> None:
         "freshness": freshness,
         "rebuild": rebuild,
         "rebuild-workers": rebuild_workers,
+        "rebuild-jvms": rebuild_jvms,
         "spark-start": spark_start,
         "idle": idle,
         "batch": batch_cost,

@@ -48,13 +48,14 @@ def ensure(settings: Settings) -> Path:
     return path
 
 
-def _write(archive: Path) -> None:
+def _write(archive: Path, option: str = "") -> None:
     """Start a session whose JVM writes `archive` when it exits, run a little of each kind of
     work Logfold's jobs do (JSON decoding, aggregation, windows, Arrow to pandas, a streaming
-    query), then stop the JVM and wait until it has exited, its archive complete."""
+    query), then stop the JVM and wait until it has exited, its archive complete. `option`
+    writes another kind of archive than JDK 17's dynamic one (a JDK 25 ahead-of-time cache)."""
     from pyspark.sql import functions as F
 
-    option = f"-XX:ArchiveClassesAtExit={archive} {QUIET}"
+    option = option or f"-XX:ArchiveClassesAtExit={archive} {QUIET}"
     spark = session(Settings(), "logfold-class-archive", java_options=option)
     rows = spark.range(2000).selectExpr(
         "id",
@@ -175,9 +176,13 @@ def main() -> None:
         "they are.",
     )
     parser.add_argument("--write", type=Path, metavar="PATH", help=argparse.SUPPRESS)
+    # JDK 25's ahead-of-time cache from the same work (bench/read_side.py rebuild-jvms)
+    parser.add_argument("--write-aot-cache", type=Path, metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
         _write(args.write)
+    elif args.write_aot_cache:
+        _write(args.write_aot_cache, f"-XX:AOTCacheOutput={args.write_aot_cache}")
     else:
         settings = Settings()
         print(ensure(settings))
