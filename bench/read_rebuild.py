@@ -28,6 +28,9 @@ from config.topics import Topics
 from tests.support import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
+# What a user types to rebuild every view in a driver of its own (`--here`: not handed to a
+# running projector).
+REBUILD = ("rebuild", "--all", "--here")
 
 
 def rebuild(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,7 +53,7 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}
         env |= child_env(settings)  # the bench's settings (driver memory...), its stack
         t = time.perf_counter()
-        out = _command(env, "rebuild", "--all", "--here")
+        out = _command(env, *REBUILD)
         results["cold_command_seconds"] = time.perf_counter() - t
         results["cold_command_output"] = out.stdout.splitlines()
         if args.projector_repeats:
@@ -145,36 +148,38 @@ def rebuild_jvms(args: argparse.Namespace) -> dict[str, Any]:
     other = Path(args.java_home)
     caches = Path(tempfile.mkdtemp(prefix="logfold-bench-aot-"))
     small, trained = caches / "small.aot", caches / "trained.aot"
-    with Stack() as settings:
-        written = write_log(settings, args.events)
-        env = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}
-        env |= child_env(settings)
-        on_other = env | {"JAVA_HOME": str(other)}
-        subprocess.run(
-            [sys.executable, "-m", "stack.class_archive", "--write-aot-cache", str(small)],
-            cwd=ROOT,
-            env=on_other,
-            capture_output=True,
-            check=True,
-            timeout=600,
-        )
-        # The training run: its JVM writes the cache as it exits (a child JVM assembles it).
-        _command(on_other | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCacheOutput={trained}"}, *REBUILD)
-        kinds = {
-            "default JVM, its class archive": env,
-            "other JVM, no archive": on_other,
-            "other JVM, AOT cache of the small workload": on_other
-            | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCache={small}"},
-            "other JVM, AOT cache trained on this rebuild": on_other
-            | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCache={trained}"},
-        }
-        runs: dict[str, list[float]] = {kind: [] for kind in kinds}
-        for _ in range(args.repeats):
-            for kind, kind_env in kinds.items():
-                t = time.perf_counter()
-                _command(kind_env, *REBUILD)
-                runs[kind].append(time.perf_counter() - t)
-    shutil.rmtree(caches, ignore_errors=True)
+    try:
+        with Stack() as settings:
+            written = write_log(settings, args.events)
+            env = {k: v for k, v in os.environ.items() if k.startswith("LOGFOLD_")}
+            env |= child_env(settings)
+            on_other = env | {"JAVA_HOME": str(other)}
+            subprocess.run(
+                [sys.executable, "-m", "stack.class_archive", "--write-aot-cache", str(small)],
+                cwd=ROOT,
+                env=on_other,
+                capture_output=True,
+                check=True,
+                timeout=600,
+            )
+            # The training run: its JVM writes the cache as it exits (a child JVM assembles it).
+            _command(on_other | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCacheOutput={trained}"}, *REBUILD)
+            kinds = {
+                "default JVM, its class archive": env,
+                "other JVM, no archive": on_other,
+                "other JVM, AOT cache of the small workload": on_other
+                | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCache={small}"},
+                "other JVM, AOT cache trained on this rebuild": on_other
+                | {"SPARK_SUBMIT_OPTS": f"-XX:AOTCache={trained}"},
+            }
+            runs: dict[str, list[float]] = {kind: [] for kind in kinds}
+            for _ in range(args.repeats):
+                for kind, kind_env in kinds.items():
+                    t = time.perf_counter()
+                    _command(kind_env, *REBUILD)
+                    runs[kind].append(time.perf_counter() - t)
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
     medians = {kind: statistics.median(v) for kind, v in runs.items()}
     default = medians["default JVM, its class archive"]
     return {
@@ -186,9 +191,6 @@ def rebuild_jvms(args: argparse.Namespace) -> dict[str, Any]:
         "medians": medians,
         "ratio_to_default": {kind: m / default for kind, m in medians.items()},
     }
-
-
-REBUILD = ("rebuild", "--all", "--here")
 
 
 def _projector_running(settings: Settings) -> bool:
@@ -299,7 +301,6 @@ def copy_rate(settings: Settings, rows: int) -> float:
 _START = """
 import json, time
 t0 = time.perf_counter()
-from config.jvm import java
 from config.settings import Settings
 from spark.session import session
 spark = session(Settings(), "logfold-bench-start")
