@@ -157,6 +157,13 @@ class Settings(BaseSettings):
     # record ends the wait at once): longer asks the broker less often while idle, and holds
     # up the query's epoch boundary (every 30 minutes) by as much at most.
     spark_realtime_fetch_wait_ms: int = Field(default=500, ge=1, le=10_000)
+    # Under load, the projector's real-time paths gather what their rows topics get into one
+    # Postgres transaction per interval at most (`spark.realtime.Pace`): each transaction's own
+    # cost (progress rows, its commit, their changelog records) is then paid for many commands,
+    # not a few. Only while records come faster than `projector_batch_above_per_s`: slower,
+    # each is applied as soon as it comes. 0: each poll as it returns, at every rate.
+    projector_apply_interval_ms: int = Field(default=100, ge=0, le=1000)
+    projector_batch_above_per_s: float = Field(default=100, ge=0)
 
     # A changed projection's deploy (guarantee 25, docs/operations.md): how many earlier
     # versions of each projection are kept (a copy of their tables) so that rolling back to

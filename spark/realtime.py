@@ -15,8 +15,10 @@ interval, which only sets how often Spark checkpoints). So:
   real-time mode.)
 - this process reads that topic and applies what each poll returns in one Postgres
   transaction, with the micro-batches' own step (`EventSink.apply`, `JoinSink.apply`: each
-  projection or join from its own progress, in its own savepoint). Under load a poll returns
-  what arrived during the previous transaction, so transactions group records by themselves.
+  projection or join from its own progress, in its own savepoint). While records come fast,
+  a transaction waits until an interval has passed since the last one and takes what arrived
+  meanwhile (`Pace`): each transaction's own cost is then shared by many records. Slower, a
+  record is applied as soon as it comes.
 
 Exactly once, as with micro-batches: a record at or before a fold's progress changes nothing,
 so rows written again (real-time mode delivers at least once: a retried task starts again from
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -85,6 +88,10 @@ EPOCH = "30 minutes"
 MAX_POLL_RECORDS = 5000
 LOG_EVERY_S = 10.0  # what was applied, logged at most this often
 GENERATION = "g"  # the field of a rows record naming the query start that wrote it
+# After a wait between transactions, how long the fetch of what arrived meanwhile may take (the
+# broker answers at once when there is some; when there is none, this is what is lost).
+GATHER_FETCH_MS = 5
+RATE_DECAY_S = 1.0  # how long the records' rate `Pace` compares takes to forget a burst
 
 
 class RealTime:
@@ -97,6 +104,7 @@ class RealTime:
         self.spark, self.settings, self.rows_topic, self.name = spark, settings, rows_topic, name
         self.applied = 0  # polls applied (transactions)
         self.query_failed = False  # stopped by its real-time query's own error
+        self.interval = settings.projector_apply_interval_ms / 1e3  # between transactions, least
         self._since_log: dict[str, int] = {}
         self._transactions = 0
         self._logged_at = time.monotonic()
@@ -177,13 +185,14 @@ class RealTime:
                 mark_running(conn, running)
             log.info("real-time %s query running: %s", self.name, ", ".join(sorted(running)))
             last: dict[str, int] = {}
+            pace = Pace(self.interval, self.settings.projector_batch_above_per_s)
             while not self._stopping.is_set():
                 if not query.isActive:
                     return query.exception() or RuntimeError("the real-time query stopped")
-                polled = consumer.poll(timeout_ms=IDLE_POLL_MS).values()
-                values = (record.value for records in polled for record in records)
+                values = gather(consumer, pace, self._stopping.wait)
                 rows = rows_of(values, generation, width, last)
                 if rows:
+                    pace.begin(len(rows))
                     self._applied(apply(rows))
             return None
         finally:
@@ -378,6 +387,53 @@ class RealTimeJoins(RealTime):
 
     def _apply(self, rows: list[list[Any]]) -> dict[str, int]:
         return self.sink.apply([dict(zip(CHANGELOG_COLUMNS, r, strict=True)) for r in rows])
+
+
+class Pace:
+    """When a real-time path's next transaction may begin. A poll returns what arrived while
+    the last transaction ran: under load a few records, and each transaction's own cost (its
+    progress rows, its commit, their changelog records) is paid for so few. So while records
+    come faster than `above_per_s` (a rate decayed over about a second), a transaction begins
+    `interval` after the last one at the soonest, with what arrived meanwhile; slower, each
+    begins as soon as its records come, and nothing waits."""
+
+    def __init__(
+        self, interval: float, above_per_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval, self.above_per_s, self.clock = interval, above_per_s, clock
+        self.rate = 0.0  # records a second, decayed
+        self.began = float("-inf")  # the last transaction
+
+    def begin(self, records: int) -> None:
+        """A transaction of `records` begins now."""
+        now = self.clock()
+        if self.began > float("-inf"):
+            self.rate *= math.exp(-(now - self.began) / RATE_DECAY_S)
+        self.rate += records / RATE_DECAY_S
+        self.began = now
+
+    def wait(self) -> float:
+        """Seconds until the next transaction may begin (0: at once)."""
+        if self.interval <= 0 or self.rate <= self.above_per_s:
+            return 0.0
+        return max(0.0, self.began + self.interval - self.clock())
+
+
+def gather(consumer: KafkaConsumer, pace: Pace, wait: Callable[[float], bool]) -> list[bytes]:
+    """The rows records of the next transaction: a poll's, and, when `pace` says it may not
+    begin yet, what arrives until it may (`wait(seconds)`: true when the pipeline stops)."""
+    values = _values(consumer.poll(timeout_ms=IDLE_POLL_MS))
+    left = pace.wait() if values else 0.0
+    if left <= 0 or wait(left):
+        return values
+    # That poll sent the next fetch at once, which took only what had come by then: one more
+    # brings what came during the wait (the broker answers at once when there is some).
+    values += _values(consumer.poll(timeout_ms=0))
+    return values + _values(consumer.poll(timeout_ms=GATHER_FETCH_MS))
+
+
+def _values(polled: dict[TopicPartition, list[Any]]) -> list[bytes]:
+    return [record.value for records in polled.values() for record in records]
 
 
 def rows_of(
