@@ -104,7 +104,6 @@ class RealTime:
         self.spark, self.settings, self.rows_topic, self.name = spark, settings, rows_topic, name
         self.applied = 0  # polls applied (transactions)
         self.query_failed = False  # stopped by its real-time query's own error
-        self.interval = settings.projector_apply_interval_ms / 1e3  # between transactions, least
         self._since_log: dict[str, int] = {}
         self._transactions = 0
         self._logged_at = time.monotonic()
@@ -185,7 +184,10 @@ class RealTime:
                 mark_running(conn, running)
             log.info("real-time %s query running: %s", self.name, ", ".join(sorted(running)))
             last: dict[str, int] = {}
-            pace = Pace(self.interval, self.settings.projector_batch_above_per_s)
+            pace = Pace(
+                self.settings.projector_apply_interval_ms / 1e3,
+                self.settings.projector_batch_above_per_s,
+            )
             while not self._stopping.is_set():
                 if not query.isActive:
                     return query.exception() or RuntimeError("the real-time query stopped")
