@@ -30,6 +30,7 @@ from spark.join import JoinRebuild
 from spark.rebuild import ProgressWriter, Rebuild
 from spark.session import batch_session
 from spark.shadows import Report
+from spark.sink import Reconnecting
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,10 @@ class Rebuilder:
         self.who = f"{socket.gethostname()}:{os.getpid()}"
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # Where it looks for requests, twice a second: one connection, not one per look (and
+        # one look at a time on it, were `run_once` called from another thread too).
+        self.db = Reconnecting(settings.database(), autocommit=True)
+        self._looking = threading.Lock()
         self.carried_out = 0  # requests finished (tests, logs)
 
     def start(self) -> None:
@@ -67,16 +72,19 @@ class Rebuilder:
     def _run(self) -> None:
         self.deployer.join()  # a changed version's build first: both swap the live tables
         self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", "rebuild")
-        while not self._stopping.wait(POLL_S):
-            try:
-                self.run_once()
-            except Exception:  # Postgres away: looked for again
-                log.exception("rebuilds: looking for requests failed")
+        try:
+            while not self._stopping.wait(POLL_S):
+                try:
+                    self.run_once()
+                except Exception:  # Postgres away: looked for again, on a new connection
+                    log.exception("rebuilds: looking for requests failed")
+        finally:
+            self.db.close()
 
     def run_once(self) -> bool:
         """Claim and carry out one request; whether there was one."""
-        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
-            request = rebuilds.claim(conn, self.mine, self.who)
+        with self._looking:
+            request = rebuilds.claim(self.db.get(), self.mine, self.who)
         if request is None:
             return False
         log.warning("rebuilding %s, as asked (request %d)", ", ".join(request.versions), request.id)

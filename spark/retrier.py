@@ -29,7 +29,7 @@ from projections.base.dead_letters import Key, Letter
 from spark.decode import every_event, parse_events
 from spark.event_rows import KAFKA_RECORD_SCHEMA, OFFSET, PARTITION, POSITION, TOPIC, rows_json
 from spark.parking import Poison, isolate, isolate_upcast, merge_parking
-from spark.sink import live_version
+from spark.sink import Reconnecting, live_version
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ class Retrier:
         self.columns = {p.name: [rows_json(o) for o in p.outputs] for p in projections}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        # Where it looks for requests, every second: one connection, not one per look (and
+        # one look at a time on it, were `run_once` called from another thread too).
+        self.db = Reconnecting(settings.database(), autocommit=True)
+        self._looking = threading.Lock()
         self.retried = 0  # events applied by retries (tests, logs)
 
     def start(self) -> None:
@@ -67,16 +71,20 @@ class Retrier:
 
     def _run(self) -> None:
         self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", "dead-letters")
-        while not self._stopping.wait(POLL_S):
-            try:
-                self.run_once()
-            except Exception:
-                log.exception("dead letters: a retry failed; it is tried again")
+        try:
+            while not self._stopping.wait(POLL_S):
+                try:
+                    self.run_once()
+                except Exception:  # Postgres away: looked for again, on a new connection
+                    log.exception("dead letters: a retry failed; it is tried again")
+        finally:
+            self.db.close()
 
     def run_once(self) -> int:
         """Carry out the skips asked for, then apply the retries asked for; returns the events
         applied."""
-        with psycopg.connect(self.settings.database(), autocommit=True) as conn:
+        with self._looking:
+            conn = self.db.get()
             for name in store.skip_requests(conn, self.projections):
                 with conn.transaction():
                     skipped = store.carry_out_skips(conn, name)

@@ -374,15 +374,16 @@ def save_progress(
 
 
 class Reconnecting:
-    """One Postgres connection kept across micro-batches, opened again once it breaks."""
+    """One Postgres connection kept across micro-batches (or polls), opened again once it
+    breaks: a connection for each costs Postgres a backend's start and an authentication."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, url: str, autocommit: bool = False) -> None:
+        self.url, self.autocommit = url, autocommit
         self._conn: psycopg.Connection[Any] | None = None
 
     def get(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = psycopg.connect(self.url)
+            self._conn = psycopg.connect(self.url, autocommit=self.autocommit)
         return self._conn
 
     def close(self) -> None:

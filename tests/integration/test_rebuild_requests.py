@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
@@ -271,3 +271,43 @@ def test_postgres_out_of_reach_is_said_and_exits_2(
     assert "error: Postgres is out of reach" in done.output
     assert "Traceback" not in done.output
     assert here == []
+
+
+def test_the_projectors_pollers_look_on_one_connection_each_and_on_a_new_one_once_it_is_lost(
+    settings: Settings,
+) -> None:
+    """The rebuilds' and the dead letters' pollers look for requests every second or less: a
+    connection for each look cost Postgres a backend's start and an authentication every time.
+    Each keeps one, and opens another once Postgres has ended it."""
+    from spark.rebuilder import Rebuilder
+    from spark.retrier import Retrier
+
+    chosen = [PROJECTIONS["customers"]]
+    pollers = [
+        Rebuilder(cast(Any, None), settings, chosen, [], cast(Any, None)),
+        Retrier(cast(Any, None), settings, [], keep=lambda p: None),  # its looks need no Spark
+    ]
+    with psycopg.connect(settings.database(), autocommit=True) as conn:
+
+        def backends() -> set[int]:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+            return {int(r[0]) for r in rows}
+
+        before = backends()
+        for _ in range(5):
+            assert [p.run_once() for p in pollers] == [False, 0]
+        kept = backends() - before
+        assert len(kept) == 2, kept  # one each, for five looks each
+        for pid in kept:
+            conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        for p in pollers:  # the look on the lost connection fails (the thread says so) ...
+            with pytest.raises(psycopg.OperationalError):
+                p.run_once()
+        assert [p.run_once() for p in pollers] == [False, 0]  # ... the next one works
+        again = backends() - before
+        assert len(again) == 2 and not again & kept, again
+    for p in pollers:
+        p.db.close()
