@@ -111,7 +111,7 @@ def stages(args: argparse.Namespace) -> dict[str, Any]:
 
     with Stack() as settings:
         write_log(settings, 2000)
-        spark = spark_session.session(settings, "logfold-bench", settings.projector_java_options)
+        spark = spark_session.session(settings, "logfold-bench", settings.projector_jvm_options())
         rules = spark._jvm.org.apache.spark.sql.catalyst.rules.RuleExecutor  # type: ignore[union-attr]
         lean = spark_session.LEAN_EXCLUDED_RULES
         results: dict[str, Any] = {"benchmark": "stages", "rate_per_s": args.rate}

@@ -137,10 +137,9 @@ class Settings(BaseSettings):
     # event pipeline, and the joins (whose views already wait for CDC, so they poll less).
     spark_idle_poll_ms: int = Field(default=100, ge=1, le=5000)
     spark_joins_idle_poll_ms: int = Field(default=250, ge=1, le=5000)
-    # The projector's JVM (with local Spark): its micro-batches are small and many, and the
-    # optimising JIT compiler (C2) spent a third of a core recompiling Spark's planner while
-    # they ran; the quick one alone halved a view's lag on 2 cores (docs/benchmarks-journal.md).
-    projector_java_options: str = "-XX:TieredStopAtLevel=1"
+    # The projector's JVM (with local Spark); unset, chosen by the live paths' mode (see
+    # `projector_jvm_options`).
+    projector_java_options: str | None = None
     # Every Spark driver JVM maps the classes Spark loads from the archive `make bootstrap`
     # made (spark/class_archive.py): it starts seconds sooner. Off, it loads them from the jars.
     spark_class_archive: bool = True
@@ -285,6 +284,17 @@ class Settings(BaseSettings):
 
     def api_database(self) -> str:
         return self.api_database_url or self.database()
+
+    def projector_jvm_options(self) -> str:
+        """`LOGFOLD_PROJECTOR_JAVA_OPTIONS`, or what suits the live paths' mode. In real-time
+        mode, long-lived tasks fold every event with code compiled once: with the optimising
+        JIT compiler (C2) beside the quick one (C1), the JVM spent half the CPU per event under
+        load, and the whole pipeline sustained 400 commands/s against 350 on 2 cores. With
+        micro-batches, each batch is planned anew and C2 spent a third of a core recompiling
+        Spark's planner: C1 alone halved a view's lag there (docs/benchmarks-journal.md)."""
+        if self.projector_java_options is not None:
+            return self.projector_java_options
+        return "" if self.spark_realtime else "-XX:TieredStopAtLevel=1"
 
     def database(self) -> str:
         if not self.database_url:

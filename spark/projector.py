@@ -102,7 +102,7 @@ class Projector:
         self.spark = spark or session(
             settings,
             "logfold-projector",
-            settings.projector_java_options,
+            settings.projector_jvm_options(),
             slots=realtime_slots(settings, chosen, joined) if settings.spark_realtime else 0,
         )
         self.scratch = scratch_dir(settings)
