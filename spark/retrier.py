@@ -75,7 +75,7 @@ class Retrier:
             while not self._stopping.wait(POLL_S):
                 try:
                     self.run_once()
-                except Exception:  # Postgres away: looked for again, on a new connection
+                except Exception:  # tried again (on a new connection, if Postgres ended it)
                     log.exception("dead letters: a retry failed; it is tried again")
         finally:
             self.db.close()
