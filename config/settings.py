@@ -22,6 +22,11 @@ IDLE_POLL_MS = 500
 # How often the projector writes its status (spark/status.py); /health calls it silent after
 # three of these are missed.
 PROJECTOR_BEAT_S = 5.0
+# The projector's JVM with the quick JIT compiler alone (micro-batches: `projector_jvm_options`).
+# Alone, C1 sizes the code cache as for no tiers, 48 MiB: a rebuild handed to such a projector
+# filled it ("Out of space in CodeCache for adapters") and the JVM ended; kept at tiered
+# compilation's 240 MiB.
+C1_ALONE = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 # How long changelogs keep every change, and then deletes (LOGFOLD_CDC_COMPACTION_LAG_MS,
 # LOGFOLD_CDC_DELETE_RETENTION_MS): a day each.
 CHANGELOG_KEEP_MS = 24 * 3600 * 1000
@@ -294,7 +299,7 @@ class Settings(BaseSettings):
         Spark's planner: C1 alone halved a view's lag there (docs/benchmarks-journal.md)."""
         if self.projector_java_options is not None:
             return self.projector_java_options
-        return "" if self.spark_realtime else "-XX:TieredStopAtLevel=1"
+        return "" if self.spark_realtime else C1_ALONE
 
     def database(self) -> str:
         if not self.database_url:
