@@ -383,6 +383,11 @@ def cli(settings: Settings, *args: str, timeout: float = 600) -> subprocess.Comp
     )
 
 
+# Settings the test suite gives every process it starts here (`tests/conftest.py` fills it);
+# a benchmark's processes, started by the same helpers, keep the defaults.
+SUITE_ENV: dict[str, str] = {}
+
+
 def child_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOGFOLD_")}
     env.update(
@@ -398,6 +403,7 @@ def child_env(settings: Settings) -> dict[str, str]:
             # One process per `logfold api`: tests and benchmarks reason about one process's
             # limits (websockets admitted, threads) and start several when they want several.
             "LOGFOLD_API_WORKERS": "1",
+            **SUITE_ENV,
         }
     )
     return env
