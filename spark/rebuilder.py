@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import socket
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +26,10 @@ from projections.base import Join, Projection, rebuilds
 from spark.deploy import Deployer
 from spark.event_rows import first_line
 from spark.join import JoinRebuild
+from spark.poller import Poller
 from spark.rebuild import ProgressWriter, Rebuild
 from spark.session import batch_session
 from spark.shadows import Report
-from spark.sink import Reconnecting
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ POLL_S = 0.5  # how often the projector looks for requests
 BEAT_S = 1.0  # how often it beats (with its progress) while it rebuilds
 
 
-class Rebuilder:
+class Rebuilder(Poller):
     """The projector's thread that carries out the rebuilds asked of it, one at a time."""
 
     def __init__(
@@ -49,41 +48,27 @@ class Rebuilder:
         joins: Sequence[Join],
         deployer: Deployer,
     ) -> None:
-        self.spark, self.settings, self.deployer = spark, settings, deployer
+        super().__init__(
+            spark,
+            settings.database(),
+            name="rebuilds",
+            pool="rebuild",
+            every_s=POLL_S,
+            failed="rebuilds: looking for requests failed",
+        )
+        self.settings, self.deployer = settings, deployer
         self.projections = {p.name: p for p in projections}
         self.joins = {j.name: j for j in joins}
         self.mine = rebuilds.versions_of(projections, joins)
         self.who = f"{socket.gethostname()}:{os.getpid()}"
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        # Where it looks for requests, twice a second: one connection, not one per look (and
-        # one look at a time on it, were `run_once` called from another thread too).
-        self.db = Reconnecting(settings.database(), autocommit=True)
-        self._looking = threading.Lock()
         self.carried_out = 0  # requests finished (tests, logs)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="rebuilds", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    def _run(self) -> None:
+    def first(self) -> None:
         self.deployer.join()  # a changed version's build first: both swap the live tables
-        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", "rebuild")
-        try:
-            while not self._stopping.wait(POLL_S):
-                try:
-                    self.run_once()
-                except Exception:  # Postgres away: looked for again, on a new connection
-                    log.exception("rebuilds: looking for requests failed")
-        finally:
-            self.db.close()
 
     def run_once(self) -> bool:
         """Claim and carry out one request; whether there was one."""
-        with self._looking:
+        with self.looking:
             request = rebuilds.claim(self.db.get(), self.mine, self.who)
         if request is None:
             return False

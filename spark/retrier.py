@@ -11,7 +11,6 @@ fails again stops its aggregate's retry there, with its new error. Skips asked f
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -29,7 +28,8 @@ from projections.base.dead_letters import Key, Letter
 from spark.decode import every_event, parse_events
 from spark.event_rows import KAFKA_RECORD_SCHEMA, OFFSET, PARTITION, POSITION, TOPIC, rows_json
 from spark.parking import Poison, isolate, isolate_upcast, merge_parking
-from spark.sink import Reconnecting, live_version
+from spark.poller import Poller
+from spark.sink import live_version
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ CHUNK = 1000  # parked events a retry reads and applies at once
 POLL_S = 1.0  # how often the projector looks for retries asked for
 
 
-class Retrier:
+class Retrier(Poller):
     """The projector's thread that applies parked events whose retry was asked for."""
 
     def __init__(
@@ -47,43 +47,29 @@ class Retrier:
         projections: Sequence[Projection],
         keep: Callable[[Projection], Any],
     ) -> None:
-        self.spark, self.settings = spark, settings
+        super().__init__(
+            spark,
+            settings.database(),
+            name="dead-letters",
+            pool="dead-letters",
+            every_s=POLL_S,
+            failed="dead letters: a retry failed; it is tried again",
+        )
+        self.settings = settings
         self.projections = {p.name: p for p in projections}
         self.topics = Topics(settings.topic_prefix)
         self.keep = keep
         self.columns = {p.name: [rows_json(o) for o in p.outputs] for p in projections}
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        # Where it looks for requests, every second: one connection, not one per look (and
-        # one look at a time on it, were `run_once` called from another thread too).
-        self.db = Reconnecting(settings.database(), autocommit=True)
-        self._looking = threading.Lock()
         self.retried = 0  # events applied by retries (tests, logs)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dead-letters", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", "dead-letters")
-        try:
-            while not self._stopping.wait(POLL_S):
-                try:
-                    self.run_once()
-                except Exception:  # tried again (on a new connection, if Postgres ended it)
-                    log.exception("dead letters: a retry failed; it is tried again")
-        finally:
-            self.db.close()
+    def stop(self, wait_s: float = 30) -> None:
+        """Stop, letting the chunk in hand commit (or not) first."""
+        super().stop(wait_s)
 
     def run_once(self) -> int:
         """Carry out the skips asked for, then apply the retries asked for; returns the events
         applied."""
-        with self._looking:
+        with self.looking:
             conn = self.db.get()
             for name in store.skip_requests(conn, self.projections):
                 with conn.transaction():
@@ -100,7 +86,7 @@ class Retrier:
         left or one fails again."""
         applied = 0
         with psycopg.connect(self.settings.database()) as conn:
-            while not self._stopping.is_set():
+            while not self.stopping:
                 with conn.transaction():
                     chunk = store.first_parked(conn, p.name, key, CHUNK)
                 if not chunk or chunk[0].retry_requested_at is None:
