@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -31,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # What a user types to rebuild every view in a driver of its own (`--here`: not handed to a
 # running projector).
 REBUILD = ("rebuild", "--all", "--here")
+# What a projector logs once its rebuild rehearsal has ended (spark/rebuilder.py).
+REHEARSED = re.compile(r"rebuild rehearsed: .*|rebuild rehearsal failed.*")
 
 
 def rebuild(args: argparse.Namespace) -> dict[str, Any]:
@@ -110,22 +113,35 @@ def _handed_to_the_projector(
 ) -> dict[str, Any]:
     """`logfold rebuild --all` with a projector running (started here, its views already
     current): the command hands the rebuild to it; its first rebuild after the projector's
-    start, then the next ones."""
-    projector = subprocess.Popen(
-        [sys.executable, "-m", "stack.cli", "projector"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    start (and, when the projector rehearses a rebuild, after that rehearsal has ended, as a
+    rebuild asked a minute or more after a start is), then the next ones."""
+    said = Path(tempfile.mkdtemp(prefix="logfold-bench-projector-")) / "projector.log"
+    rehearsing = env.get("LOGFOLD_PROJECTOR_REBUILD_REHEARSAL_RECORDS", "1") != "0"
+    with said.open("w") as out_file:
+        projector = subprocess.Popen(
+            [sys.executable, "-m", "stack.cli", "projector"],
+            cwd=ROOT,
+            env={**env, "LOGFOLD_LOG_LEVEL": "INFO"},  # its rehearsal's end is an INFO line
+            stdout=subprocess.DEVNULL,
+            stderr=out_file,
+        )
     try:
         t = time.perf_counter()
         deadline = time.monotonic() + 600
         while not _projector_running(settings):
             if projector.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the projector did not start (run `logfold projector` to see)")
+                raise SystemExit(f"the projector did not start (its output: {said})")
             time.sleep(0.5)
         found: dict[str, Any] = {"projector_start_seconds": time.perf_counter() - t}
+        if rehearsing:
+            ended = None
+            while ended is None:
+                ended = REHEARSED.search(said.read_text())
+                if projector.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the projector's rehearsal did not end (its output: {said})")
+                time.sleep(0.5)
+            found["projector_rehearsal"] = ended[0]
+            found["projector_rehearsal_ended_seconds"] = time.perf_counter() - t
         for _ in range(repeats):
             t = time.perf_counter()
             out = _command(env, "rebuild", "--all")

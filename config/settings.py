@@ -153,6 +153,11 @@ class Settings(BaseSettings):
     # first command needs it. 0: no warm-up, a start seconds shorter and the first commands'
     # views that much later.
     projector_warm_up_rounds: int = Field(default=3, ge=0, le=10)
+    # Once started, the projector rehearses a rebuild of its projections on about this many
+    # records of the log (the first of each partition), writing nothing (`Rebuild.rehearse`):
+    # Spark generates and the JIT compiles a rebuild's code, so the first `logfold rebuild`
+    # handed to it runs nearly as fast as its later ones. 0: no rehearsal.
+    projector_rebuild_rehearsal_records: int = Field(default=50000, ge=0)
     # The event pipeline's live path in Spark's real-time mode (each event on its own, as it
     # arrives; `docs/design.md`); off, or without a task slot per partition it reads (a local
     # master is given them), it folds in micro-batches.

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import psycopg
+from kafka import TopicPartition
 from psycopg.types.json import Jsonb
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -39,6 +40,7 @@ from tqdm import tqdm
 
 from config.settings import Settings
 from config.topics import Topics
+from events.store import committed_reader
 from projections.base import Output, Projection, versions
 from projections.base.rows import fold
 from spark import keeping
@@ -64,6 +66,7 @@ from spark.sink import (
     apply_events,
     bulk_load,
     drop_indexes,
+    handed_over,
     live_version,
     lock_progress,
     move_stream_ids,
@@ -115,6 +118,12 @@ class Rebuild:
     def _streams(self, projections: list[Projection]) -> dict[str, str]:
         return {self.topics.stream(s): s for p in projections for s in p.streams}
 
+    def _decoded(self, raw: DataFrame, projections: list[Projection]) -> DataFrame:
+        """One cached read: every record decoded, its data into the fields the views read
+        (`spark.decode.DATA`); a record's bytes are kept only if the upcasters must decode it."""
+        records = every_event(parse_events(raw, self._streams(projections)))
+        return records.withColumn("value", F.when(~F.col("current"), F.col("value"))).persist()
+
     def _apply(
         self,
         conn: psycopg.Connection[Any],
@@ -152,10 +161,7 @@ class Rebuild:
                 self.excluded[p.name] = ([], self.excluded[p.name][1])
         names = sorted({t for p in projections for t in self._names(p)})
         raw = read_batch(self.spark, self.settings.kafka(), names, "earliest", "latest")
-        # One cached read: every record decoded, its data into the fields the views read
-        # (`spark.decode.DATA`); a record's bytes are kept only if the upcasters must decode it.
-        records = every_event(parse_events(raw, self._streams(projections)))
-        decoded = records.withColumn("value", F.when(~F.col("current"), F.col("value"))).persist()
+        decoded = self._decoded(raw, projections)
         reports: dict[str, Report] = {}
         try:
             seen, counts, old = _survey(decoded)  # reads the log, once, into the cache
@@ -215,6 +221,32 @@ class Rebuild:
         finally:
             decoded.unpersist()
         return [reports[p.name] for p in projections]
+
+    def rehearse(self, projections: list[Projection], records: int) -> int:
+        """The Spark side of `run_many` over about `records` of the log (the first of each
+        partition of the projections' topics, in equal shares), writing nothing: each folded
+        output is handed to Python as a load hands it, and counted. A JVM that has run it has
+        generated and compiled the code a rebuild runs, so the first one asked of it is nearly
+        as fast as its next ones (a projector's: `spark/rebuilder.py`). The projections a
+        rebuild replays through Postgres (`Projection.replayed`) are left out. Returns the
+        rows folded."""
+        folded = [p for p in projections if not p.replayed]
+        names = sorted({t for p in folded for t in self._names(p)})
+        upto = _first_records(self.settings.kafka(), names, records)
+        if not upto:
+            return 0
+        assign, starting, ending = between_json({}, upto)
+        raw = read_batch(self.spark, self.settings.kafka(), names, starting, ending, assign)
+        decoded = self._decoded(raw, folded)
+        try:
+            _survey(decoded)
+            rows = 0
+            for p in folded:
+                mine = decoded.where(F.col("topic").isin(self._names(p)))
+                rows += sum(handed_over(fold(o, mine), o.columns) for o in p.outputs)
+            return rows
+        finally:
+            decoded.unpersist()
 
     def restore(self, projection: Projection, kept: keeping.Kept, verify: bool = False) -> Report:
         """Build `projection` from its `kept` copy (its version, at the copy's position) and
@@ -432,6 +464,25 @@ class Rebuild:
                 (Jsonb(live), applied, late, versions.of(projection), projection.name),
             )
         return report
+
+
+def _first_records(bootstrap: str, topics: list[str], n: int) -> dict[str, int]:
+    """The last offset of about `n` committed records of `topics`, the first of each of their
+    non-empty partitions in equal shares ("topic:partition" -> offset, as `between_json`
+    takes them)."""
+    consumer = committed_reader(bootstrap)
+    try:
+        tps = [
+            TopicPartition(t, p)
+            for t in topics
+            for p in sorted(consumer.partitions_for_topic(t) or ())
+        ]
+        first, end = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
+    finally:
+        consumer.close()
+    held = [tp for tp in tps if end[tp] > first[tp]]
+    each = -(-n // max(len(held), 1))
+    return {f"{tp.topic}:{tp.partition}": min(first[tp] + each, end[tp]) - 1 for tp in held}
 
 
 def _survey(records: DataFrame) -> tuple[dict[str, int], dict[str, int], int]:

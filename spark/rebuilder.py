@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,9 +64,33 @@ class Rebuilder(Poller):
         self.mine = rebuilds.versions_of(projections, joins)
         self.who = f"{socket.gethostname()}:{os.getpid()}"
         self.carried_out = 0  # requests finished (tests, logs)
+        self.rehearsed: int | None = None  # rows the rehearsal folded, once it has run
 
     def first(self) -> None:
         self.deployer.join()  # a changed version's build first: both swap the live tables
+        records = self.settings.projector_rebuild_rehearsal_records
+        if records and self.projections and not self.stopping:
+            # Beside the looks for requests, not before them: a rebuild asked meanwhile is
+            # claimed at once (it then compiles what the rehearsal has not yet).
+            threading.Thread(
+                target=self.rehearse, args=(records,), name="rebuild-rehearsal", daemon=True
+            ).start()
+
+    def rehearse(self, records: int) -> None:
+        """A rebuild rehearsed on about `records` of the log, writing nothing
+        (`Rebuild.rehearse`): the first rebuild asked of this projector then runs in code
+        already generated and compiled. A failed rehearsal costs only that."""
+        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", self.pool)
+        started = time.monotonic()
+        try:
+            job = Rebuild(self.settings, batch_session(self.spark))
+            rows = job.rehearse(list(self.projections.values()), records)
+        except Exception as e:
+            if not self.stopping:  # a stop ends it with Spark: nothing to say then
+                log.warning("rebuild rehearsal failed (the first rebuild compiles instead): %s", e)
+            return
+        self.rehearsed = rows
+        log.info("rebuild rehearsed: %d rows in %.1f s", rows, time.monotonic() - started)
 
     def run_once(self) -> bool:
         """Claim and carry out one request; whether there was one."""

@@ -455,3 +455,16 @@ def bulk_load(
 
     written = wire_rows(rows.select(*columns)).mapInArrow(load, "rows long").collect()
     return sum(int(r["rows"]) for r in written)
+
+
+def handed_over(rows: DataFrame, columns: tuple[str, ...]) -> int:
+    """What `bulk_load` does with `rows` up to Postgres: the same plan hands them to Python as
+    Arrow batches, which are counted, not written. Returns the rows."""
+
+    def count(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        yield pa.RecordBatch.from_pydict({"rows": [sum(b.num_rows for b in batches)]})
+
+    counted = wire_rows(rows.select(*columns)).mapInArrow(count, "rows long").collect()
+    return sum(int(r["rows"]) for r in counted)

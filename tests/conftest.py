@@ -21,6 +21,10 @@ from tests.support import REPO, SECRET, SUITE_ENV
 # compiler alone (test_projector.py: 175 s against 202 s with both). The stacks `logfold run`
 # starts in the e2e tests keep the default (both compilers), as the benchmarks do.
 SUITE_ENV["LOGFOLD_PROJECTOR_JAVA_OPTIONS"] = C1_ALONE
+# Nor does a test's projector rehearse a rebuild once started (a test's log is too small for
+# it to pay; the e2e stacks keep it): an in-process one's rehearsal would go on in the suite's
+# Spark session after its test (test_event_pipeline.py tests the rehearsal itself).
+SUITE_ENV["LOGFOLD_PROJECTOR_REBUILD_REHEARSAL_RECORDS"] = "0"
 
 
 @pytest.fixture(scope="session")
@@ -61,4 +65,5 @@ def base_settings(kafka: LocalKafka, postgres: LocalPostgres) -> Settings:
         # No test reads a view's first seconds for speed: projectors start without warming up
         # (the stacks `logfold run` starts, and one test of a broken fold, keep the default).
         projector_warm_up_rounds=0,
+        projector_rebuild_rehearsal_records=0,
     )

@@ -695,6 +695,47 @@ def test_a_rebuild_run_again_in_the_same_process_compiles_no_new_code(
     assert differences(settings) == {}
 
 
+def test_a_rehearsed_rebuild_folds_the_first_records_of_each_partition_and_writes_nothing(
+    base_settings: Settings, spark: Any
+) -> None:
+    """Once started, a projector rehearses a rebuild (`Rebuild.rehearse`), so that the first
+    `logfold rebuild` handed to it runs in code already generated and compiled: every folded
+    output of the first records of each partition goes to Python as a load sends it, and is
+    counted; nothing is written anywhere."""
+    from spark.rebuild import Rebuild
+
+    settings = new_deployment(base_settings)
+    append_a_paid_order(settings)  # c-1, b-1, o-1: every fold has an event to fold
+    on_zero = []
+    while len(on_zero) < 3:
+        cid = f"c-{uuid.uuid4().hex[:8]}"
+        if cid != "c-1" and partition_for(cid, settings.partitions) == 0:
+            event = (1, CustomerRegistered(cid, f"{cid}@x.org"), AT)
+            append_events(settings, "customer", cid, event)
+            on_zero.append(cid)
+    zero_first = 1 if partition_for("c-1", settings.partitions) == 0 else 0
+
+    def everything() -> dict[str, list[Any]]:
+        with psycopg.connect(settings.database()) as conn:
+            tables = conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY 1"
+            ).fetchall()
+            return {
+                t: sorted(map(repr, conn.execute(f'SELECT * FROM "{t}"').fetchall()))
+                for (t,) in tables
+            }
+
+    before = everything()
+    rebuild = Rebuild(settings, spark)
+    # 2 records in equal shares of the customers' partitions that hold any: one each.
+    held = 1 + (1 - zero_first)
+    assert rebuild.rehearse([customers.projection], held) == held
+    # Enough for every record of partition 0 (offsets, commit markers among them): all four.
+    assert rebuild.rehearse([customers.projection], 100) == 4
+    assert rebuild.rehearse(list(PROJECTIONS.values()), 100) > 4  # every fold ran, none failed
+    assert everything() == before
+
+
 def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
     base_settings: Settings, spark: Any
 ) -> None:
