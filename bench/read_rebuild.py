@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # running projector).
 REBUILD = ("rebuild", "--all", "--here")
 # What a projector logs once its rebuild rehearsal has ended (spark/rebuilder.py).
-REHEARSED = re.compile(r"rebuild rehearsed: .*|rebuild rehearsal failed.*")
+REHEARSED = re.compile(r"rebuild rehearsed: [^\"\n]*|rebuild rehearsal failed[^\"\n]*")
 
 
 def rebuild(args: argparse.Namespace) -> dict[str, Any]:
