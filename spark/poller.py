@@ -50,14 +50,14 @@ class Poller:
         return self._stopping.is_set()
 
     def first(self) -> None:
-        """What the thread does before its first look (its Spark jobs in `pool` too)."""
+        """What the thread does before its first look."""
 
     def run_once(self) -> Any:
         raise NotImplementedError
 
     def _run(self) -> None:
-        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", self.pool)
         self.first()
+        self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", self.pool)
         try:
             while not self._stopping.wait(self.every_s):
                 try:

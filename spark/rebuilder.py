@@ -64,7 +64,6 @@ class Rebuilder(Poller):
         self.mine = rebuilds.versions_of(projections, joins)
         self.who = f"{socket.gethostname()}:{os.getpid()}"
         self.carried_out = 0  # requests finished (tests, logs)
-        self.rehearsed: int | None = None  # rows the rehearsal folded, once it has run
 
     def first(self) -> None:
         self.deployer.join()  # a changed version's build first: both swap the live tables
@@ -89,7 +88,6 @@ class Rebuilder(Poller):
             if not self.stopping:  # a stop ends it with Spark: nothing to say then
                 log.warning("rebuild rehearsal failed (the first rebuild compiles instead): %s", e)
             return
-        self.rehearsed = rows
         log.info("rebuild rehearsed: %d rows in %.1f s", rows, time.monotonic() - started)
 
     def run_once(self) -> bool:

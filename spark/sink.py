@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -453,8 +453,7 @@ def bulk_load(
             keys.close()
         yield pa.RecordBatch.from_pydict({"rows": [n]})
 
-    written = wire_rows(rows.select(*columns)).mapInArrow(load, "rows long").collect()
-    return sum(int(r["rows"]) for r in written)
+    return _through_arrow(rows, columns, load)
 
 
 def handed_over(rows: DataFrame, columns: tuple[str, ...]) -> int:
@@ -466,5 +465,13 @@ def handed_over(rows: DataFrame, columns: tuple[str, ...]) -> int:
 
         yield pa.RecordBatch.from_pydict({"rows": [sum(b.num_rows for b in batches)]})
 
-    counted = wire_rows(rows.select(*columns)).mapInArrow(count, "rows long").collect()
+    return _through_arrow(rows, columns, count)
+
+
+def _through_arrow(
+    rows: DataFrame, columns: tuple[str, ...], each: Callable[[Iterator[Any]], Iterator[Any]]
+) -> int:
+    """`rows` (`columns`, as `wire_rows` sends them) handed to `each` as Arrow batches, one
+    call per Spark partition, each yielding a batch of one `rows` count; returns their sum."""
+    counted = wire_rows(rows.select(*columns)).mapInArrow(each, "rows long").collect()
     return sum(int(r["rows"]) for r in counted)
