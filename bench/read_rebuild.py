@@ -89,7 +89,11 @@ def rebuild(args: argparse.Namespace) -> dict[str, Any]:
                 n / (time.perf_counter() - t)
             )
         spark.stop()
-        medians = {k: statistics.median(v) for k, v in results.items() if isinstance(v, list)}
+        medians = {
+            k: statistics.median(v)
+            for k, v in results.items()
+            if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+        }
         return {**results, "medians": medians}
 
 
@@ -148,7 +152,8 @@ def _handed_to_the_projector(
             found.setdefault("projector_command_seconds", []).append(time.perf_counter() - t)
             if "is rebuilding" not in out.stderr:
                 raise SystemExit(f"the projector did not take the rebuild:\n{out.stderr}")
-        found["projector_command_output"] = out.stdout.splitlines()
+            # Each run's lines: what the first spends beyond the next ones, by projection.
+            found.setdefault("projector_command_output", []).append(out.stdout.splitlines())
         return found
     finally:
         projector.terminate()
