@@ -646,6 +646,7 @@ class Hub:
                 "subscriptions": sum(len(t.subscriptions) for t in self.tables.values()),
                 "delivered": self.delivered,
                 "outbox_peak": max((c.peak for c in self.clients), default=0),
+                "closing_slow": sum(c.close_code == SLOW_CLOSE for c in self.clients),
             }
 
 

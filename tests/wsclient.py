@@ -7,7 +7,6 @@ import contextlib
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ class WsClient:
         url: str,
         token: str | None = None,
         rcvbuf: int | None = None,
-        read_delay: float = 0.0,  # > 0: a deliberately slow reader
+        stalled: bool = False,  # reads nothing until release(): a reader that fell behind
     ) -> None:
         sockopt = [(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)] if rcvbuf else []
         full = f"{url}?token={token}" if token else url
@@ -30,14 +29,19 @@ class WsClient:
         self.messages: list[dict[str, Any]] = []
         self.close_code: int | None = None
         self._lock = threading.Lock()
-        self.read_delay = read_delay
+        self._released = threading.Event()
+        if not stalled:
+            self._released.set()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
+    def release(self) -> None:
+        """Let a `stalled` client read what the server kept for it."""
+        self._released.set()
+
     def _read(self) -> None:
+        self._released.wait()
         while True:
-            if self.read_delay:
-                time.sleep(self.read_delay)
             try:
                 opcode, data = self.ws.recv_data()
             except (websocket.WebSocketException, OSError):
