@@ -25,7 +25,12 @@ missing=()
 command -v java >/dev/null || missing+=(default-jdk-headless)
 command -v mvn >/dev/null || missing+=(maven)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || missing+=(postgresql)
-command -v python3 >/dev/null || missing+=(python3 python3-venv)
+if command -v python3 >/dev/null; then
+  # Debian's python3 comes without venv's pip bootstrap: `python3 -m venv` needs python3-venv.
+  python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+else
+  missing+=(python3 python3-venv)
+fi
 # The load balancer in front of the API nodes of `logfold run --cluster` (and its tests).
 [ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null || missing+=(haproxy)
 # The test suite drives the live page in headless Chromium (Debian's build and its driver).
