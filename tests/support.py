@@ -199,6 +199,16 @@ def end_offset(settings: Settings, topic: str, partition: int = 0) -> int:
         consumer.close()
 
 
+def start_offset(settings: Settings, topic: str, partition: int = 0) -> int:
+    """The first offset one partition of `topic` holds now (after retention or deletions)."""
+    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), **kafka_consumer_options())
+    try:
+        tp = TopicPartition(topic, partition)
+        return int(consumer.beginning_offsets([tp])[tp])
+    finally:
+        consumer.close()
+
+
 def delete_records(settings: Settings, topic: str, before: int) -> None:
     """Delete `topic`'s records before offset `before`, as retention (or compaction past
     `delete.retention.ms`) removes them."""

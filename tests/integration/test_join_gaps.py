@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -17,7 +17,14 @@ from config.settings import Settings
 from config.topics import Topics
 from projections.registry import JOINS
 from stack.procs import wait_until
-from tests.support import Joins, append_changes, delete_records, end_offset, projector_session
+from tests.support import (
+    Joins,
+    append_changes,
+    delete_records,
+    end_offset,
+    projector_session,
+    start_offset,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -53,6 +60,28 @@ def _progress(settings: Settings) -> tuple[int, str | None]:
     return int(row[0]), row[1]
 
 
+def _wait(settings: Settings, condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """`wait_until`, failing with what the join had done by then: its rows, its progress
+    (offsets, generation, error) and where each changelog now starts and ends."""
+    try:
+        wait_until(condition, timeout, what)
+    except TimeoutError as e:
+        with psycopg.connect(settings.database()) as conn:
+            progress = conn.execute(
+                "SELECT offsets, generation, error, updated_at FROM projection_progress "
+                "WHERE projection = %s",
+                (SUMMARIES.name,),
+            ).fetchone()
+        topics = Topics(settings.topic_prefix)
+        logs = {
+            t: (start_offset(settings, topics.cdc(t)), end_offset(settings, topics.cdc(t)))
+            for t in SUMMARIES.tables
+        }
+        raise AssertionError(
+            f"{e}: rows {_summaries(settings)}, progress {progress}, changelogs [start, end) {logs}"
+        ) from e
+
+
 @pytest.fixture(scope="module")
 def joins(deployment: Settings) -> Iterator[Joins]:
     spark = projector_session(deployment, "logfold-join-gap-tests")
@@ -82,7 +111,7 @@ def test_a_join_that_missed_a_removed_delete_is_rebuilt(deployment: Settings, jo
         ],
     )
     joins.start()
-    wait_until(lambda: _summaries(deployment) == {mine: "Ada", theirs: "Bob"}, 120, "summaries")
+    _wait(deployment, lambda: _summaries(deployment) == {mine: "Ada", theirs: "Bob"}, 120, "rows")
     joins.stop()
     generation, _ = _progress(deployment)
 
@@ -100,16 +129,17 @@ def test_a_join_that_missed_a_removed_delete_is_rebuilt(deployment: Settings, jo
     delete_records(deployment, customers, end_offset(deployment, customers) - 1)
 
     joins.start()
-    wait_until(
+    _wait(
+        deployment,
         lambda: _summaries(deployment) == {mine: "Ada L."},
         180,
         "the join to drop Bob's order and rename Ada's",
     )
-    wait_until(lambda: _progress(deployment) == (generation + 1, None), 60, "the rebuild's end")
+    _wait(deployment, lambda: _progress(deployment) == (generation + 1, None), 60, "its end")
     # It goes on live from the rebuild's offsets.
     append_changes(
         deployment,
         "customers",
         [("update", {"customer_id": ada}, _customer(ada, "Ada Lovelace"), _position())],
     )
-    wait_until(lambda: _summaries(deployment) == {mine: "Ada Lovelace"}, 120, "a later change")
+    _wait(deployment, lambda: _summaries(deployment) == {mine: "Ada Lovelace"}, 120, "a change")
