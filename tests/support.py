@@ -22,6 +22,7 @@ import requests
 from flask import Flask
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+from kafka.errors import PolicyViolationError
 
 from app.auth import SCOPES, issue_token
 from cdc.changes import Change, WalPosition, record_for
@@ -219,9 +220,18 @@ def delete_records(settings: Settings, topic: str, before: int) -> None:
         configs = {**spec.configs, "cleanup.policy": value}
         admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
 
+    def deleted() -> bool:
+        try:
+            admin.delete_records({TopicPartition(topic, 0): before})
+        except PolicyViolationError:  # the broker has not applied the new policy yet
+            return False
+        return True
+
     try:
         policy("compact,delete")  # Kafka deletes records only from topics that allow it
-        admin.delete_records({TopicPartition(topic, 0): before})
+        # A broker applies a topic's new config when its metadata reaches it, a moment after
+        # AlterConfigs answers: until then it refuses to delete from a compacted topic.
+        wait_until(deleted, 30, f"{topic} to allow deleting records", fail_fast=True)
         policy("compact")
     finally:
         admin.close()

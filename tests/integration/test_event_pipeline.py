@@ -23,8 +23,6 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner
-from kafka import TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from app import close_app, create_app
 from config.settings import Settings
@@ -38,12 +36,12 @@ from projections.base import Output, Projection, dead_letters, versions
 from projections.registry import PROJECTIONS
 from stack import cli
 from stack.procs import wait_until
-from stack.topics import topic_spec
 from tests.integration.test_upcasting import produce_raw, v1_customer_registered
 from tests.oracle import differences
 from tests.support import (
     append_events,
     cli_env,
+    delete_records,
     health_component,
     new_deployment,
     send_again,
@@ -762,19 +760,8 @@ def test_records_deleted_from_the_log_before_they_were_applied_are_reported(
 
     for name in ("Gone1", "Gone2", "Kept"):
         on_partition_0(name)  # offsets 2, 3, 4
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka())
-    spec = topic_spec(Topics(settings.topic_prefix), topic)
-
-    def policy(value: str) -> None:  # AlterConfigs resets what it is not given: give it all
-        configs = {**spec.configs, "cleanup.policy": value}
-        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
-
-    try:  # a retention set by mistake (or an operator) deletes 2 and 3 before they are applied
-        policy("compact,delete")  # Kafka deletes records only from topics that allow it
-        admin.delete_records({TopicPartition(topic, 0): 4})
-        policy("compact")
-    finally:
-        admin.close()
+    # a retention set by mistake (or an operator) deletes 2 and 3 before they are applied
+    delete_records(settings, topic, 4)
 
     projector = run_events(settings, spark, (customers.projection,))
     app = create_app(settings)
