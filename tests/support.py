@@ -192,20 +192,20 @@ def servers(settings: Settings) -> Iterator[Callable[..., tuple[str, Flask]]]:
 
 def end_offset(settings: Settings, topic: str, partition: int = 0) -> int:
     """The end offset of one partition of `topic`, as it is now."""
-    consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), **kafka_consumer_options())
-    try:
-        tp = TopicPartition(topic, partition)
-        return int(consumer.end_offsets([tp])[tp])
-    finally:
-        consumer.close()
+    return _offset(settings, topic, partition, start=False)
 
 
 def start_offset(settings: Settings, topic: str, partition: int = 0) -> int:
     """The first offset one partition of `topic` holds now (after retention or deletions)."""
+    return _offset(settings, topic, partition, start=True)
+
+
+def _offset(settings: Settings, topic: str, partition: int, start: bool) -> int:
     consumer = KafkaConsumer(bootstrap_servers=settings.kafka(), **kafka_consumer_options())
     try:
         tp = TopicPartition(topic, partition)
-        return int(consumer.beginning_offsets([tp])[tp])
+        found = consumer.beginning_offsets([tp]) if start else consumer.end_offsets([tp])
+        return int(found[tp])
     finally:
         consumer.close()
 
