@@ -104,7 +104,8 @@ def socket_owners(peer_port: int) -> dict[int, int]:
 class Stages:
     """The read side's cost by stage, beside the per-process table: the projector's JVM (Spark's
     long-lived real-time tasks: decoding each event, folding its rows, writing them to the rows
-    topics) and its Python process (reading those topics and applying each poll to Postgres);
+    topics; Spark's Python daemon and workers, its children, with it) and its Python process
+    (reading those topics and applying each poll to Postgres);
     Postgres's backends by client (the projector's transactions, CDC's logical decoding in its
     walsender, the API's reads and the rest: background writers and short-lived backends); and
     the records each group of topics got per command (commit markers included)."""
@@ -119,9 +120,13 @@ class Stages:
         self.ends0: dict[str, int] = {}
 
     def _jvm(self) -> list[int]:
-        """The projector's JVM and its descendants (its Python process is their parent)."""
+        """The projector's JVM and its descendants (its Python process is their parent): Spark's
+        Python daemon and workers with it, since one that ends leaves its CPU in the JVM's
+        children time (counted apart, the JVM's figure grew and the Python process's went below
+        zero when a daemon ended during a run)."""
         root = self.roots["projector"]
-        return [p for p in tree(root) if p != root and "java" in _exe(p)]
+        jvms = [p for p in tree(root) if p != root and "java" in _exe(p)]
+        return sorted({p for jvm in jvms for p in tree(jvm)})
 
     def _backends(self) -> dict[str, list[int]]:
         """Postgres backends by the process tree of their client (CDC's walsender by its type)."""
