@@ -119,14 +119,16 @@ class Stages:
         self.cpu0: dict[str, tuple[float, float]] = {}
         self.ends0: dict[str, int] = {}
 
-    def _jvm(self) -> list[int]:
-        """The projector's JVM and its descendants (its Python process is their parent): Spark's
-        Python daemon and workers with it, since one that ends leaves its CPU in the JVM's
-        children time (counted apart, the JVM's figure grew and the Python process's went below
-        zero when a daemon ended during a run)."""
+    def _projector(self) -> CpuMeter:
+        """The projector's two stages, each sampled as a tree (`TreeCpu`): its JVM with its
+        descendants (Spark's Python daemon lets its idle workers end unwaited, and read only at
+        both ends of a run their CPU went missing: a figure below zero), and its Python process
+        alone."""
         root = self.roots["projector"]
-        jvms = [p for p in tree(root) if p != root and "java" in _exe(p)]
-        return sorted({p for jvm in jvms for p in tree(jvm)})
+        jvm = next(p for p in tree(root) if p != root and "java" in _exe(p))
+        return CpuMeter(
+            {"projector_jvm": jvm, "projector_python": root}, alone=("projector_python",)
+        )
 
     def _backends(self) -> dict[str, list[int]]:
         """Postgres backends by the process tree of their client (CDC's walsender by its type)."""
@@ -145,11 +147,6 @@ class Stages:
             by.setdefault(f"postgres_for_{name}", []).append(pid)
         return by
 
-    def _groups(self) -> dict[str, list[int]]:
-        jvm = self._jvm()
-        python = [p for p in tree(self.roots["projector"]) if p not in jvm]
-        return {"projector_jvm": jvm, "projector_python": python, **self._backends()}
-
     def _ends(self) -> dict[str, int]:
         prefix = self.topics.prefix
         named = [t for t in self.offsets.topics() if t.startswith(prefix)]
@@ -163,12 +160,18 @@ class Stages:
         return ends
 
     def start(self) -> None:
-        self.pids = self._groups()
+        self.meter = self._projector()
+        self.meter.start()
+        self.pids = self._backends()
         self.cpu0 = {name: cpu_seconds(pids) for name, pids in self.pids.items()}
         self.ends0 = self._ends()
 
     def stop(self, done: int) -> dict[str, Any]:
-        cpu: dict[str, float] = {}
+        used = self.meter.stop()
+        cpu = {
+            name: round(used[f"{name}_pct"] / 100 * used["wall_s"] * 1e3 / done, 3)
+            for name in self.meter.roots
+        }
         for name, pids in self.pids.items():
             (u, s), (u0, s0) = cpu_seconds(pids), self.cpu0[name]
             cpu[name] = round((u + s - u0 - s0) * 1e3 / done, 3)
