@@ -1,7 +1,8 @@
 """The whole pipeline's capacity beside the write side alone's, measured in one run (the figures
 of docs/capacity.md).
 
-    .venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 800 --duration 15 --repeats 3
+    .venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 800 \\
+        --duration 15 --repeats 3
 
 One stack as `make run` starts it on one machine: a broker, Postgres, a command processor, an
 API process, the Spark projector (every projection and join, in real-time mode), CDC, and a
