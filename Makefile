@@ -40,4 +40,4 @@ bench-live: bootstrap
 	.venv/bin/python bench/live.py idle-sockets --requests 3000 --repeats 5
 
 bench-pipeline: bootstrap
-	.venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 800 --duration 15 --repeats 3 --warmup 45
+	.venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 800 900 1000 1100 --duration 15 --repeats 3 --warmup 45

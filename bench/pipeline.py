@@ -1,7 +1,7 @@
 """The whole pipeline's capacity beside the write side alone's, measured in one run (the figures
 of docs/capacity.md).
 
-    .venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 800 \\
+    .venv/bin/python bench/pipeline.py --rates 50 200 300 400 500 600 700 800 900 1000 1100 \\
         --duration 15 --repeats 3
 
 One stack as `make run` starts it on one machine: a broker, Postgres, a command processor, an
@@ -270,7 +270,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--rates", type=float, nargs="+", default=[50, 200, 300, 400, 500, 600, 700]
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[50, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100],
     )
     parser.add_argument("--duration", type=float, default=15, help="seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per rate and mode")
