@@ -274,6 +274,7 @@ def main() -> None:
         type=float,
         nargs="+",
         default=[50, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100],
+        help="commands/s offered, in turn (a mode stops above a rate it sustained in no repeat)",
     )
     parser.add_argument("--duration", type=float, default=15, help="seconds per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per rate and mode")
