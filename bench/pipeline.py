@@ -222,6 +222,21 @@ class Pipeline:
                         pass
         return n
 
+    def quiet(self, for_s: float, within_s: float) -> bool:
+        """Whether the subscriber gets no message for `for_s` seconds, within `within_s`: the
+        pushes of a backlog are over (a paused run's renames of one customer, folded together
+        once resumed, push fewer changes than commands, so their count is no end to wait for)."""
+        started = last = time.monotonic()
+        seen = len(self.subscriber.messages)
+        while time.monotonic() - started < within_s:
+            time.sleep(0.1)  # a benchmark's pacing, not a test's wait
+            now, count = time.monotonic(), len(self.subscriber.messages)
+            if count != seen:
+                seen, last = count, now
+            elif now - last >= for_s:
+                return True
+        return False
+
     def _signal(self, sig: signal.Signals) -> None:
         for root in self.paused:
             for pid in tree(root):
@@ -248,6 +263,10 @@ class Pipeline:
                 self._signal(signal.SIGCONT)
                 if caught_up_within(self.settings, 600) is None:
                     raise RuntimeError("the read side did not catch up after a paused run")
+                # The folds' lag is not the whole read side: CDC's backlog and the hub's pushes
+                # of it would otherwise fall into the next run.
+                if not self.quiet(QUIET_S, 600):
+                    raise RuntimeError("the subscriber was still getting a paused run's changes")
         done = max(result.statuses.get(201, 0), 1)
         # Once the views have caught up: every stage's work for the run's commands.
         stages = self.stages.stop(done) if mode == "full" else None
@@ -334,6 +353,7 @@ def main() -> None:
 
 
 MODES = ("full", "write")
+QUIET_S = 2  # a rate of 500/s or more pushes a change every few milliseconds while it lasts
 
 
 def summary(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

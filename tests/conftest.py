@@ -22,8 +22,9 @@ from tests.support import REPO, SECRET, SUITE_ENV
 # starts in the e2e tests keep the default (both compilers), as the benchmarks do.
 SUITE_ENV["LOGFOLD_PROJECTOR_JAVA_OPTIONS"] = C1_ALONE
 # Nor does a test's projector rehearse a rebuild once started (a test's log is too small for
-# it to pay; the e2e stacks keep it): an in-process one's rehearsal would go on in the suite's
-# Spark session after its test (test_event_pipeline.py tests the rehearsal itself).
+# it to pay; the README flow's first stack keeps it): an in-process one's rehearsal would go
+# on in the suite's Spark session after its test (test_event_pipeline.py tests the rehearsal
+# itself).
 SUITE_ENV["LOGFOLD_PROJECTOR_REBUILD_REHEARSAL_RECORDS"] = "0"
 
 

@@ -58,8 +58,10 @@ def cluster() -> Iterator[tuple[RunningStack, str]]:
     top.chmod(0o755)
     running = RunningStack(top / "data", "--cluster")
     # No warm-up (19-29 s on this cluster; the README flow's stack keeps it): the projector's
-    # session waits for an executor before it counts the slots real-time mode needs.
+    # session waits for an executor before it counts the slots real-time mode needs. Nor a
+    # rebuild rehearsal, which would share the cores with the first fault test's load.
     running.env["LOGFOLD_PROJECTOR_WARM_UP_ROUNDS"] = "0"
+    running.env["LOGFOLD_PROJECTOR_REBUILD_REHEARSAL_RECORDS"] = "0"
     try:
         token = running.start(timeout=START_S)
         yield running, token

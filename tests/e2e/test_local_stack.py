@@ -206,8 +206,10 @@ def test_readme_flow_restart_keeps_data_and_reset_wipes_it(
     assert not (data_dir / "stack.env").exists()  # gone with the stack
     assert cli(stack.env, "env").returncode == 1
 
-    # Started again for what it kept, not for its projector's first seconds: no warm-up.
+    # Started again for what it kept, not for its projector's first seconds: no warm-up, no
+    # rebuild rehearsal.
     stack.env["LOGFOLD_PROJECTOR_WARM_UP_ROUNDS"] = "0"
+    stack.env["LOGFOLD_PROJECTOR_REBUILD_REHEARSAL_RECORDS"] = "0"
     token = stack.start()
     r = requests.post(
         f"{stack.base}/commands/reprice-book",
@@ -431,6 +433,7 @@ def test_run_uses_external_kafka_and_postgres_when_configured(
             "LOGFOLD_TOPIC_PREFIX": prefix,
             # Not about the projector's first seconds (the README flow starts it as a user does).
             "LOGFOLD_PROJECTOR_WARM_UP_ROUNDS": "0",
+            "LOGFOLD_PROJECTOR_REBUILD_REHEARSAL_RECORDS": "0",
         }
     )
     try:
