@@ -224,8 +224,8 @@ class Pipeline:
 
     def quiet(self, for_s: float, within_s: float) -> bool:
         """Whether the subscriber gets no message for `for_s` seconds, within `within_s`: the
-        pushes of a backlog are over (a paused run's renames of one customer, folded together
-        once resumed, push fewer changes than commands, so their count is no end to wait for)."""
+        pushes of a backlog are over (a paused run's backlog pushes fewer changes than it had
+        commands, likely its renames of one customer folded together, so no count is the end)."""
         started = last = time.monotonic()
         seen = len(self.subscriber.messages)
         while time.monotonic() - started < within_s:
